@@ -1,0 +1,30 @@
+"""epd-middleware: encoder disaggregation for multimodal vLLM serving, inside the PD server.
+
+``app.add_middleware(EPDMiddleware, encoders=["http://enc-0:8001"])``
+"""
+
+from .config import EPDConfig
+from .errors import (
+    BodyTooLarge,
+    EncoderBadReply,
+    EncoderError,
+    EncoderStatusError,
+    EncoderTimeout,
+    EncoderUnavailable,
+    EPDError,
+)
+from .middleware import EPDMiddleware
+
+__all__ = [
+    "BodyTooLarge",
+    "EPDConfig",
+    "EPDError",
+    "EPDMiddleware",
+    "EncoderBadReply",
+    "EncoderError",
+    "EncoderStatusError",
+    "EncoderTimeout",
+    "EncoderUnavailable",
+]
+
+__version__ = "0.1.0"

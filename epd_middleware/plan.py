@@ -1,0 +1,119 @@
+"""From media parts to encoder calls: content uuids, de-duplication, encoder assignment and batching.
+
+Pure functions over small frozen dataclasses; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from blake3 import blake3
+
+from .protocol import UNBATCHED_MODALITIES
+
+__all__ = ["EncoderCall", "MediaItem", "MediaSource", "content_uuid", "media_items", "plan_calls"]
+
+
+class MediaSource(Protocol):
+    """What a surface tells the planner about one media part."""
+
+    @property
+    def modality(self) -> str: ...
+    @property
+    def content(self) -> tuple[str, ...]: ...
+    @property
+    def client_uuid(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One distinct piece of media of a request, under the uuid the encoder and the engine both see."""
+
+    uuid: str
+    modality: str
+    part: Mapping[str, Any]  # the content part the encoder receives, uuid set
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderCall:
+    """One request to one encoder for one or more items."""
+
+    encoder: str
+    items: tuple[MediaItem, ...]
+
+
+def content_uuid(modality: str, content: Sequence[str], salt: str | None = None) -> str:
+    """A uuid derived from the media as sent: equal media give equal uuids, across requests too.
+
+    Hashes the text (data URL, http URL or input_audio base64) without decoding it: decoding costs more
+    than hashing and identifies the media no better. BLAKE3 (vLLM's own multimodal hasher) runs several
+    times faster than SHA-256 on these sizes. The result is hex, safe as a file name for connectors that
+    store embeddings under their hash.
+    """
+    hasher = blake3()
+    hasher.update(b"epd-media-v1\0")
+    if salt is not None:
+        # The salt's length goes first so that salt and modality cannot trade characters.
+        encoded_salt = salt.encode()
+        hasher.update(b"%d:" % len(encoded_salt))
+        hasher.update(encoded_salt)
+    hasher.update(modality.encode())
+    for piece in content:
+        hasher.update(b"\0")
+        hasher.update(piece.encode())
+    return hasher.hexdigest(length=16)
+
+
+def plan_calls(
+    items: Sequence[MediaItem],
+    encoders: Sequence[str],
+    start: int,
+    max_batch_size: int,
+) -> tuple[EncoderCall, ...]:
+    """Spread ``items`` over ``encoders`` round-robin from cursor ``start``.
+
+    Images that land on the same encoder travel together, at most ``max_batch_size`` a call; audio and
+    video go one item a call (vLLM encodes them one by one and they are large).
+    """
+    batches: dict[str, list[MediaItem]] = {}
+    calls: list[EncoderCall] = []
+    for offset, item in enumerate(items):
+        encoder = encoders[(start + offset) % len(encoders)]
+        if item.modality in UNBATCHED_MODALITIES:
+            calls.append(EncoderCall(encoder, (item,)))
+            continue
+        batch = batches.setdefault(encoder, [])
+        batch.append(item)
+        if len(batch) == max_batch_size:
+            calls.append(EncoderCall(encoder, tuple(batch)))
+            batch.clear()
+    calls.extend(EncoderCall(encoder, tuple(batch)) for encoder, batch in batches.items() if batch)
+    return tuple(calls)
+
+
+def media_items(
+    parts: Sequence[MediaSource],
+    *,
+    trust_client_uuid: bool,
+    salt: str | None,
+    encoder_part: Callable[[Any, str], Mapping[str, Any]],
+) -> tuple[tuple[MediaItem, ...], tuple[str, ...]]:
+    """The distinct items of a request and, for each part, the uuid of its item.
+
+    Parts of one modality with the same uuid are one item, encoded once. A client uuid is kept only when
+    trusted: it is a key that every client shares, so by default the content decides.
+    """
+    uuids: list[str] = []
+    items: dict[tuple[str, str], MediaItem] = {}
+    for part in parts:
+        if trust_client_uuid and part.client_uuid is not None:
+            uuid = part.client_uuid
+        else:
+            uuid = content_uuid(part.modality, part.content, salt)
+        uuids.append(uuid)
+        key = (part.modality, uuid)
+        if key not in items:
+            items[key] = MediaItem(uuid, part.modality, encoder_part(part, uuid))
+    return tuple(items.values()), tuple(uuids)

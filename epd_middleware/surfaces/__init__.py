@@ -1,0 +1,1 @@
+"""Request surfaces: one adapter per request format, each knowing where media sits in its bodies."""

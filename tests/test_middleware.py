@@ -1,0 +1,607 @@
+"""The middleware end to end over ASGI, with fake encoders and a fake PD app, on asyncio and trio."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from epd_middleware import EPDConfig, EPDMiddleware
+from epd_middleware.plan import content_uuid
+
+from .fakes import (
+    DEFAULT_GRID,
+    MODEL,
+    SMALL_GRID,
+    FakeEncoders,
+    FakeEngine,
+    audio,
+    build_app,
+    chat_body,
+    derived_hash,
+    image,
+)
+
+pytestmark = pytest.mark.anyio
+
+E0, E1, E2 = "http://enc-0:8001", "http://enc-1:8001", "http://enc-2:8001"
+URL = "http://pd/v1/chat/completions"
+OPTIONS = {
+    "mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 50176}},
+    "media_io_kwargs": {"image": {"rgba_background_color": [0, 0, 0]}},
+}
+
+
+def png(seed: int, size: int = 600) -> str:
+    return base64.b64encode(bytes((seed * 31 + i) % 256 for i in range(size))).decode()
+
+
+async def post(app: Any, body: Any, **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport) as client:
+        return await client.post(URL, content=content, headers=headers, **kwargs)
+
+
+def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [part for message in body["messages"] for part in message["content"] if part.get("type") != "text"]
+
+
+async def test_text_only_body_passes_byte_for_byte() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    raw = b'{"model": "m",  "messages": [{"role": "user", "content": "hi \\u00e9"}], "max_tokens": 3}'
+    response = await post(app, raw)
+    assert response.status_code == 200
+    assert engine.received[0].body == raw
+    assert encoders.calls == []
+
+
+async def test_other_paths_methods_and_content_types_pass_through() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    body = json.dumps(chat_body(image(png(1)))).encode()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+        other = await client.post(
+            "http://pd/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+        plain = await client.post(URL, content=body, headers={"content-type": "text/plain"})
+        health = await client.get("http://pd/health")
+    assert other.status_code == plain.status_code == health.status_code == 200
+    assert encoders.calls == []
+    assert [record.body for record in engine.received] == [body, body]
+
+
+async def test_one_image_is_encoded_and_rewritten_to_a_metadata_reference() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    data = png(1)
+    response = await post(app, chat_body(image(data)))
+    assert response.status_code == 200, response.text
+
+    [call] = encoders.calls
+    [sent] = call.body["messages"][0]["content"]
+    uuid = content_uuid("image", (f"data:image/png;base64,{data}",))
+    assert sent == {**image(data), "uuid": uuid}
+    assert call.body["model"] == MODEL
+    assert call.body["stream"] is False
+    assert call.body["max_tokens"] == 1
+
+    received = engine.received[0].json
+    [part] = media_parts(received)
+    assert part == {"type": "image_embeds", "image_embeds": {"image_grid_thw": DEFAULT_GRID}, "uuid": uuid}
+    # Without options vLLM reports the uuid itself as the hash.
+    assert received["ec_transfer_params"] == {
+        uuid: {"item_indices": [0], "metadata": {"image_grid_thw": DEFAULT_GRID}}
+    }
+    assert data not in engine.received[0].body.decode()
+    # Everything else of the request is intact.
+    assert received["messages"][0]["content"][0] == {"type": "text", "text": "Describe."}
+    assert received["temperature"] == 0
+    assert received["max_tokens"] == 16
+    assert int(engine.received[0].headers["content-length"]) == len(engine.received[0].body)
+
+
+async def test_options_reach_every_encoder_request_and_handles_use_the_derived_hash() -> None:
+    encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    forwarded = {**OPTIONS, "priority": -3, "session_id": "sess-7"}
+    images = [image(png(seed)) for seed in range(3)]
+    response = await post(app, chat_body(*images, audio(png(9)), **forwarded))
+    assert response.status_code == 200, response.text
+
+    assert len(encoders.calls) >= 3
+    for call in encoders.calls:
+        for name, value in forwarded.items():
+            assert call.body[name] == value, f"{name} was not forwarded to {call.encoder}"
+
+    received = engine.received[0].json
+    for part, options_part in zip(
+        media_parts(received), media_parts(chat_body(*images, audio(png(9)))), strict=True
+    ):
+        assert part["uuid"]
+        modality = "audio" if "audio" in part["type"] else "image"
+        mm_hash = derived_hash(MODEL, part["uuid"], modality, received)
+        assert mm_hash != part["uuid"]
+        assert mm_hash in received["ec_transfer_params"], "handle must be keyed by the encoder-reported hash"
+        assert part["uuid"] not in received["ec_transfer_params"]
+        del options_part
+    # The options stay on the local request: PD derives the same hash from the same uuid + options.
+    for name, value in forwarded.items():
+        assert received[name] == value
+    image_parts = [part for part in media_parts(received) if part["type"] == "image_embeds"]
+    assert [part["image_embeds"]["image_grid_thw"] for part in image_parts] == [SMALL_GRID] * 3
+
+
+async def test_images_are_batched_per_encoder_and_the_cursor_persists_across_requests() -> None:
+    encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
+    app, _ = build_app(encoders, engine, max_batch_size=2)
+    body = chat_body(*(image(png(seed)) for seed in range(5)))
+    assert (await post(app, body)).status_code == 200
+    sizes = sorted((call.encoder, len(call.body["messages"][0]["content"])) for call in encoders.calls)
+    # Items 0, 2, 4 go to enc-0 (a batch of 2 and one of 1), items 1, 3 to enc-1 (one batch of 2).
+    assert sizes == [(E0, 1), (E0, 2), (E1, 2)]
+
+    encoders.calls.clear()
+    assert (await post(app, chat_body(image(png(50))))).status_code == 200
+    # Five items moved the cursor to enc-1: the next request must not start again at enc-0.
+    assert [call.encoder for call in encoders.calls] == [E1]
+    encoders.calls.clear()
+    assert (await post(app, chat_body(image(png(51))))).status_code == 200
+    assert [call.encoder for call in encoders.calls] == [E0]
+
+    received = engine.received[0].json
+    assert len(received["ec_transfer_params"]) == 5
+    assert all(part["type"] == "image_embeds" for part in media_parts(received))
+
+
+async def test_audio_and_video_go_one_per_call_beside_batched_images() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    video = {"type": "video_url", "video_url": {"url": "http://media/clip.mp4"}}
+    body = chat_body(image(png(1)), audio(png(2)), image(png(3)), audio(png(4)), video)
+    assert (await post(app, body)).status_code == 200
+    kinds = sorted(
+        tuple(part["type"] for part in call.body["messages"][0]["content"]) for call in encoders.calls
+    )
+    assert kinds == [("image_url", "image_url"), ("input_audio",), ("input_audio",), ("video_url",)]
+    types = [part["type"] for part in media_parts(engine.received[0].json)]
+    assert types == ["image_embeds", "audio_embeds", "image_embeds", "audio_embeds", "video_embeds"]
+
+
+async def test_same_media_twice_is_encoded_once_and_both_parts_get_the_handle() -> None:
+    encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    data = png(1)
+    assert (await post(app, chat_body(image(data), image(png(2)), image(data)))).status_code == 200
+    sent = [part["uuid"] for call in encoders.calls for part in call.body["messages"][0]["content"]]
+    assert len(sent) == 2
+    assert len(set(sent)) == 2
+    parts = media_parts(engine.received[0].json)
+    assert parts[0] == parts[2]
+    assert parts[0]["uuid"] != parts[1]["uuid"]
+
+
+async def test_content_uuid_is_stable_across_requests_and_distinct_per_image() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    for data in (png(1), png(2), png(1)):
+        assert (await post(app, chat_body(image(data)))).status_code == 200
+    uuids = [media_parts(record.json)[0]["uuid"] for record in engine.received]
+    assert uuids[0] == uuids[2] != uuids[1]
+
+
+async def test_cache_salt_separates_the_cache_keys_of_the_same_image() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    data = png(1)
+    for salt in (None, "tenant-a", "tenant-b", "tenant-a"):
+        fields = {} if salt is None else {"cache_salt": salt}
+        assert (await post(app, chat_body(image(data), **fields))).status_code == 200
+    uuids = [media_parts(record.json)[0]["uuid"] for record in engine.received]
+    assert len({uuids[0], uuids[1], uuids[2]}) == 3
+    assert uuids[1] == uuids[3]
+
+
+async def test_client_uuid_is_replaced_by_default_so_clients_cannot_collide() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    # Two clients, two different images, one uuid.
+    for data in (png(1), png(2)):
+        assert (await post(app, chat_body(image(data, uuid="shared-id")))).status_code == 200
+    first, second = (media_parts(record.json)[0]["uuid"] for record in engine.received)
+    assert "shared-id" not in (first, second)
+    assert first != second
+    assert [call.body["messages"][0]["content"][0]["uuid"] for call in encoders.calls] == [first, second]
+
+
+async def test_client_uuid_is_kept_when_trusted() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, trust_client_uuid=True)
+    assert (await post(app, chat_body(image(png(1), uuid="client-key"), image(png(2))))).status_code == 200
+    first, second = media_parts(engine.received[0].json)
+    assert first["uuid"] == "client-key"
+    assert second["uuid"] == content_uuid("image", (f"data:image/png;base64,{png(2)}",))
+    assert "client-key" in engine.received[0].json["ec_transfer_params"]
+
+
+async def test_uuid_only_reference_stays_and_keeps_its_modality_raw() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    reference = {"type": "image_url", "image_url": None, "uuid": "seen-before"}
+    body = chat_body(image(png(1)), reference, audio(png(2)))
+    assert (await post(app, body)).status_code == 200
+    parts = media_parts(engine.received[0].json)
+    # The reference counts as a raw image for vLLM, so the other image must stay raw (uuid pinned) too;
+    # audio has no reference and is rewritten.
+    assert parts[0]["type"] == "image_url"
+    assert parts[0]["image_url"] == image(png(1))["image_url"]
+    assert parts[0]["uuid"] == content_uuid("image", (f"data:image/png;base64,{png(1)}",))
+    assert parts[1] == reference
+    assert parts[2]["type"] == "audio_embeds"
+    sent = [part for call in encoders.calls for part in call.body["messages"][0]["content"]]
+    assert len(sent) == 2
+    assert reference not in sent
+
+
+async def test_client_ec_transfer_params_are_kept_and_merged() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    own = {"something-else": {"peer_host": "10.0.0.1"}}
+    assert (await post(app, chat_body(image(png(1)), ec_transfer_params=own))).status_code == 200
+    params = engine.received[0].json["ec_transfer_params"]
+    assert params["something-else"] == own["something-else"]
+    assert len(params) == 2
+
+
+@pytest.mark.parametrize("mode", ["no_entries", "empty_metadata"])
+async def test_rewrite_is_all_or_nothing_per_modality(mode: str) -> None:
+    encoders, engine = FakeEncoders([E0, E1], mode={E1: mode}), FakeEngine()
+    app, _ = build_app(encoders, engine, max_batch_size=1)
+    body = chat_body(image(png(1)), image(png(2)), audio(png(3)))
+    assert (await post(app, body)).status_code == 200
+    parts = media_parts(engine.received[0].json)
+    # Item 1 (second image) lands on enc-1, which gives no usable metadata: both images stay raw, with
+    # their uuids pinned; the audio (item 2, enc-0) is rewritten.
+    assert [part["type"] for part in parts] == ["image_url", "image_url", "audio_embeds"]
+    assert all(part["uuid"] for part in parts)
+    params = engine.received[0].json["ec_transfer_params"]
+    assert parts[0]["uuid"] in params
+    assert (parts[1]["uuid"] in params) == (mode == "empty_metadata")
+
+
+async def test_rewrite_false_keeps_media_raw_with_uuid_and_handles() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, rewrite=False)
+    assert (await post(app, chat_body(image(png(1)), **OPTIONS))).status_code == 200
+    received = engine.received[0].json
+    [part] = media_parts(received)
+    assert part["type"] == "image_url"
+    assert part["uuid"]
+    assert derived_hash(MODEL, part["uuid"], "image", received) in received["ec_transfer_params"]
+
+
+async def test_streaming_response_passes_through() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    response = await post(app, chat_body(image(png(1)), stream=True))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.count("data: ") == 3
+    assert response.text.endswith("data: [DONE]\n\n")
+    assert engine.received[0].json["stream"] is True
+
+
+async def test_request_id_is_propagated_to_encoders_and_generated_when_missing() -> None:
+    encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    body = chat_body(image(png(1)), image(png(2)))
+    assert (await post(app, body, headers={"x-request-id": "req-42"})).status_code == 200
+    assert sorted(call.headers["x-request-id"] for call in encoders.calls) == ["req-42-enc0", "req-42-enc1"]
+    assert engine.received[0].headers["x-request-id"] == "req-42"
+
+    encoders.calls.clear()
+    assert (await post(app, body)).status_code == 200
+    generated = engine.received[1].headers["x-request-id"]
+    assert generated
+    assert {call.headers["x-request-id"] for call in encoders.calls} == {
+        f"{generated}-enc0",
+        f"{generated}-enc1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "status", "reason"),
+    [
+        ("500", 502, "HTTP 500: EngineCore died"),
+        ("400", 502, "HTTP 400: bad mm_processor_kwargs"),
+        ("refuse", 502, "connection failed"),
+        ("drop_connection", 502, "connection closed"),
+        ("garbage", 502, "not JSON"),
+        ("not_object", 502, "not a JSON object"),
+        ("bad_indices", 502, "out of range"),
+        ("unmatched", 502, "matches none"),
+        ("hang", 504, "no answer within 0.2 s"),
+    ],
+)
+async def test_encoder_failures_become_openai_errors_naming_the_encoder(
+    mode: str, status: int, reason: str
+) -> None:
+    encoders, engine = FakeEncoders([E0, E1], mode={E1: mode}), FakeEngine()
+    app, _ = build_app(encoders, engine, encoder_timeout=0.2)
+    with anyio.fail_after(10):
+        response = await post(app, chat_body(image(png(1)), image(png(2))))
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "code"}
+    assert error["code"] == status
+    assert E1 in error["message"]
+    assert reason in error["message"]
+    assert engine.received == []
+
+
+async def test_httpx_client_timeout_is_a_504_too() -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("read timed out", request=request)
+
+    engine = FakeEngine()
+    app = engine.app()
+    app.add_middleware(
+        EPDMiddleware, encoders=[E0], http_client=httpx.AsyncClient(transport=httpx.MockTransport(slow))
+    )
+    response = await post(app, chat_body(image(png(1))))
+    assert response.status_code == 504
+    assert E0 in response.json()["error"]["message"]
+
+
+async def test_oversized_body_gets_413_without_reading_it_all() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = engine.app()
+    app.add_middleware(EPDMiddleware, encoders=[E0], http_client=encoders.client(), max_body_bytes=1000)
+    big = json.dumps(chat_body(image(png(1, 5000)))).encode()
+    response = await post(app, big)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+
+    # Declared by content-length: answered before any body message is read.
+    reads = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": big, "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = http_scope(big, content_length=True)
+    await app(scope, receive, send)
+    assert reads == 0
+    assert sent[0]["status"] == 413
+
+    # Chunked (no content-length): stops reading past the limit.
+    chunks = [big[i : i + 400] for i in range(0, len(big), 400)]
+    reads = 0
+
+    async def chunked() -> dict[str, Any]:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": chunks[reads - 1], "more_body": reads < len(chunks)}
+
+    sent.clear()
+    await app(http_scope(big, content_length=False), chunked, send)
+    assert sent[0]["status"] == 413
+    assert reads == 3 < len(chunks)
+    assert encoders.calls == []
+    assert engine.received == []
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"content": [{"type": "image_url"',
+        b'["image_url"]',
+        b'{"messages": "image_url"}',
+        b'{"messages": [5, {"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": 7}}]}]}',
+        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": "x"}, "uuid": 3}]}]}',
+        b'{"messages": [{"content": [{"type": 1, "image_url": {"url": "x"}}]}]}',
+        b'{"ec_transfer_params": [1], "messages": '
+        b'[{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        b"\xff\xfe not utf-8 image_url",
+    ],
+)
+async def test_malformed_bodies_reach_the_app_untouched(raw: bytes) -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    response = await post(app, raw)
+    assert response.status_code in (200, 400)
+    assert engine.received[0].body == raw
+    assert encoders.calls == []
+
+
+async def test_escaped_part_type_is_still_found() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    raw = (
+        b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image\\u005furl", '
+        b'"image\\u005furl": {"url": "data:image/png;base64,AAAA"}}]}]}'
+    )
+    assert (await post(app, raw)).status_code == 200
+    assert len(encoders.calls) == 1
+    assert media_parts(engine.received[0].json)[0]["type"] == "image_embeds"
+
+
+def http_scope(
+    body: bytes, *, content_length: bool = True, path: str = "/v1/chat/completions"
+) -> dict[str, Any]:
+    headers = [(b"content-type", b"application/json")]
+    if content_length:
+        headers.append((b"content-length", str(len(body)).encode()))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "server": ("pd", 80),
+        "client": ("127.0.0.1", 5000),
+    }
+
+
+async def test_client_disconnect_cancels_encoder_calls_and_skips_the_engine() -> None:
+    encoders, engine = FakeEncoders([E0, E1], mode={E0: "hang", E1: "hang"}), FakeEngine()
+    encoders.started = anyio.Event()
+    app, _ = build_app(encoders, engine)
+    body = json.dumps(chat_body(image(png(1)), image(png(2)))).encode()
+    messages = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal messages
+        messages += 1
+        if messages == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        assert encoders.started is not None
+        await encoders.started.wait()
+        await anyio.sleep(0.05)  # both calls are in flight
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with anyio.fail_after(5):
+        await app(http_scope(body), receive, send)
+    assert sorted(encoders.cancelled) == [E0, E1]
+    assert engine.received == []
+    assert sent == []
+
+
+async def test_disconnect_after_replay_still_reaches_the_app() -> None:
+    """After the replayed body the app reads the real receive, so it sees the client leave."""
+    seen: list[str] = []
+    got_body = anyio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append((await receive())["type"])
+        got_body.set()
+        seen.append((await receive())["type"])
+
+    encoders = FakeEncoders([E0])
+    middleware = EPDMiddleware(app, encoders=[E0], http_client=encoders.client())
+    body = json.dumps(chat_body(image(png(1)))).encode()
+    queue = [{"type": "http.request", "body": body, "more_body": False}]
+    disconnect = anyio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if queue:
+            return queue.pop(0)
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(middleware, http_scope(body), receive, send)
+        await got_body.wait()
+        disconnect.set()
+    assert seen == ["http.request", "http.disconnect"]
+
+
+async def test_lifespan_opens_and_closes_the_owned_client() -> None:
+    engine = FakeEngine()
+    middleware = EPDMiddleware(engine.app(), encoders=[E0])
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def receive() -> dict[str, Any]:
+        message = messages.pop(0)
+        if message["type"] == "lifespan.shutdown":
+            clients.append(middleware._clients.open())
+        return message
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message["type"])
+
+    await middleware({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+    assert clients[0].is_closed
+    assert middleware._clients._owned is None
+
+
+async def test_owned_client_works_without_lifespan() -> None:
+    engine = FakeEngine()
+    middleware = EPDMiddleware(engine.app(), encoders=[E0])
+    client = middleware._clients.open()
+    assert not client.is_closed
+    assert middleware._clients.open() is client
+    await middleware._clients.aclose()
+
+
+async def test_injected_client_is_never_closed() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    client = encoders.client()
+    middleware = EPDMiddleware(engine.app(), encoders=[E0], http_client=client)
+    messages = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    await middleware({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    assert not client.is_closed
+    assert (await post(middleware, chat_body(image(png(1))))).status_code == 200
+    await client.aclose()
+
+
+async def test_add_middleware_builds_at_startup_and_bad_config_fails_there() -> None:
+    engine = FakeEngine()
+    app = engine.app()
+    app.add_middleware(EPDMiddleware, encoders=["ftp://nope"])
+    messages = [{"type": "lifespan.startup"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "lifespan.shutdown"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with pytest.raises(ValueError, match="ftp://nope"):
+        await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+
+
+async def test_config_object_is_equivalent_to_keyword_options() -> None:
+    encoders = FakeEncoders([E0, E1])
+    results = []
+    for options in (
+        {"encoders": [E0, E1], "max_batch_size": 1},
+        {"config": EPDConfig(encoders=(E0, E1), max_batch_size=1)},
+    ):
+        engine = FakeEngine()
+        app = engine.app()
+        app.add_middleware(EPDMiddleware, http_client=encoders.client(), **options)
+        assert (await post(app, chat_body(image(png(1)), image(png(2)), image(png(3))))).status_code == 200
+        results.append(engine.received[0].body)
+    assert results[0] == results[1]
+    assert os.environ.get("EPD_ENCODERS") is None
