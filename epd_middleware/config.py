@@ -102,10 +102,19 @@ class EPDConfig(BaseModel):
                 values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
             else:
                 values[name] = raw.strip()
+        if "encoders" not in values:
+            raise ValueError(
+                f"invalid EPD_* environment configuration: {cls.env_var('encoders')} is not set; give the "
+                "encoder base URLs, comma-separated (EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001)"
+            )
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise ValueError(f"invalid EPD_* environment configuration: {exc}") from None
+            problems = "; ".join(
+                f"{cls.env_var(str(error['loc'][0]))}: {error['msg']}" if error["loc"] else error["msg"]
+                for error in exc.errors()
+            )
+            raise ValueError(f"invalid EPD_* environment configuration: {problems}") from None
 
     @classmethod
     def env_var(cls, field: str) -> str:
