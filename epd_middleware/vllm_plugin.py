@@ -1,0 +1,70 @@
+"""The ``vllm.endpoint_plugins`` entry point ``epd``: loads the middleware while vLLM builds its app.
+
+Enable with ``VLLM_PLUGINS=epd``; configure with ``EPD_*`` variables. ``attach_router`` runs before vLLM
+adds its CORS and API-key middleware (``vllm/entrypoints/launchers/app.py``), and Starlette puts later
+middleware outside earlier ones, so the middleware sits inside vLLM's authentication: a request without
+a valid key is refused before any encoder work. ``init_state`` then checks, before the server takes
+requests, that this server is an EC consumer.
+
+vLLM is imported by vLLM, not here: the package imports without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import EPDConfig
+from .middleware import EPDMiddleware
+
+__all__ = ["EPDPlugin", "check_server", "plugin"]
+
+logger = logging.getLogger("epd_middleware")
+
+
+class EPDPlugin:
+    """vLLM's ``EndpointPlugin`` protocol: ``name``, ``required_tasks``, ``attach_router``, ``init_state``."""
+
+    name = "epd"
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.config: EPDConfig | None = None
+
+    def attach_router(self, app: Any) -> None:
+        # Read the environment here, not in __init__: vLLM logs and skips a plugin whose factory raises,
+        # while an error here stops the server at start-up with the message.
+        self.config = EPDConfig.from_env()
+        app.add_middleware(EPDMiddleware, config=self.config)
+        logger.info(
+            "epd: encoder disaggregation over %d encoder(s): %s",
+            len(self.config.encoders),
+            ", ".join(self.config.encoders),
+        )
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        check_server(getattr(state, "vllm_config", None))
+
+
+def check_server(vllm_config: Any) -> None:
+    """Fail start-up with a clear message unless this server consumes encoder caches (EC consumer)."""
+    if vllm_config is None:
+        raise RuntimeError(
+            "epd: the endpoint plugin needs a vLLM server with an engine (no vllm_config found)"
+        )
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is None or getattr(ec, "ec_connector", None) is None:
+        raise RuntimeError(
+            "epd: this server has no --ec-transfer-config; the middleware belongs on the PD server, started "
+            'with --ec-transfer-config \'{"ec_connector": ..., "ec_role": "ec_consumer", ...}\''
+        )
+    if not getattr(ec, "is_ec_consumer", False):
+        raise RuntimeError(
+            f"epd: this server's ec_role is {getattr(ec, 'ec_role', None)!r}; the middleware belongs on the PD "
+            "server (ec_role 'ec_consumer'), not on an encoder"
+        )
+
+
+def plugin() -> EPDPlugin:
+    """The entry point's factory (vLLM calls it with no arguments)."""
+    return EPDPlugin()
