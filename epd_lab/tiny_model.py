@@ -46,12 +46,12 @@ its they them what which who where when how many some all each left right top bo
 background foreground dark light bright see shows showing contains containing scene view close near far
 above below beside next between inside outside around over under my your our their his her assistant
 user system you i we he she me us him please answer question yes no not very more most less few
-""".split()
+""".split()  # noqa: SIM905 (a word list reads better as text)
 
 
 def corpus() -> list[str]:
     lines = [" ".join(WORDS[i : i + 12]) for i in range(0, len(WORDS), 12)]
-    lines += [f"{a} {b} {c}" for a, b, c in zip(WORDS, WORDS[7:], WORDS[13:])]
+    lines += [f"{a} {b} {c}" for a, b, c in zip(WORDS, WORDS[7:], WORDS[13:], strict=False)]
     return lines * 4
 
 

@@ -60,8 +60,8 @@ def check_server(vllm_config: Any) -> None:
         )
     if not getattr(ec, "is_ec_consumer", False):
         raise RuntimeError(
-            f"epd: this server's ec_role is {getattr(ec, 'ec_role', None)!r}; the middleware belongs on the PD "
-            "server (ec_role 'ec_consumer'), not on an encoder"
+            f"epd: this server's ec_role is {getattr(ec, 'ec_role', None)!r}; the middleware belongs on "
+            "the PD server (ec_role 'ec_consumer'), not on an encoder"
         )
 
 
