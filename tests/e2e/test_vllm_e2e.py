@@ -1,0 +1,230 @@
+"""The middleware inside real vLLM 0.32 (CPU) servers, against real vLLM encoders, compared with a
+single-instance deployment of the same tiny model (greedy decoding, so outputs must match exactly)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from epd_lab import servers as lab
+from epd_lab.seed import NON_DEFAULT_OPTIONS, SQUARES, data_url, png_rgba, seed_request
+from epd_middleware.plan import content_uuid
+
+from .conftest import API_KEY, Deployment
+
+pytestmark = pytest.mark.e2e
+
+MODEL = lab.SERVED_MODEL
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+REPORT: list[dict[str, Any]] = []
+
+
+def image(shift: int = 0) -> str:
+    """The seed image, or a variant with its squares moved (a distinct image, a distinct cache key)."""
+    squares = [((x + shift, y + shift), color) for (x, y), color in SQUARES]
+    return data_url(png_rgba(squares=squares))
+
+
+def chat(
+    server: lab.VLLMServer, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    start = time.perf_counter()
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+    response.elapsed_s = time.perf_counter() - start  # type: ignore[attr-defined]
+    return response
+
+
+def record(case: str, response: httpx.Response, baseline: httpx.Response | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = {"case": case, "status": response.status_code, "seconds": response.elapsed_s}  # type: ignore[attr-defined]
+    if response.status_code == 200:
+        body = response.json()
+        row["prompt_tokens"] = body["usage"]["prompt_tokens"]
+        row["output"] = body["choices"][0]["message"]["content"]
+        if baseline is not None:
+            row["match"] = same_answer(response, baseline)
+    else:
+        row["output"] = response.text[:200]
+    REPORT.append(row)
+    return row
+
+
+def same_answer(response: httpx.Response, baseline: httpx.Response) -> bool:
+    a, b = response.json(), baseline.json()
+    return bool(a["choices"][0]["message"] == b["choices"][0]["message"] and a["usage"] == b["usage"])
+
+
+def assert_same(response: httpx.Response, baseline: httpx.Response) -> None:
+    assert response.status_code == 200, response.text
+    assert baseline.status_code == 200, baseline.text
+    a, b = response.json(), baseline.json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"] == b["usage"]
+
+
+def test_default_options_equal_the_single_instance(deployment: Deployment) -> None:
+    body = seed_request(MODEL)
+    baseline = chat(deployment.single, body)
+    record("single instance, default", baseline)
+    response = chat(deployment.pd, body, AUTH)
+    record("E + PD (plugin), default", response, baseline)
+    assert_same(response, baseline)
+
+
+def test_non_default_options_equal_the_single_instance_and_take_effect(deployment: Deployment) -> None:
+    default = chat(deployment.single, seed_request(MODEL))
+    body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS)
+    baseline = chat(deployment.single, body)
+    record("single instance, non-default", baseline)
+    response = chat(deployment.pd, body, AUTH)
+    record("E + PD (plugin), non-default", response, baseline)
+    assert_same(response, baseline)
+    assert response.json()["usage"]["prompt_tokens"] < default.json()["usage"]["prompt_tokens"]
+
+
+def test_handle_reaches_pd_under_the_derived_hash_and_pd_gets_no_pixels(deployment: Deployment) -> None:
+    url = image(shift=7)
+    uuid = content_uuid("image", (url,))
+    before = deployment.stored_hashes()
+    body = seed_request(MODEL, images=[url], options=NON_DEFAULT_OPTIONS)
+    response = chat(deployment.pd, body, AUTH)
+    record("E + PD, derived-hash check", response, chat(deployment.single, body))
+    assert response.status_code == 200, response.text
+    new = deployment.stored_hashes() - before
+    assert uuid not in new, "the embedding must be stored under vLLM's derived hash, not the uuid"
+    assert len(new) == 1
+    [derived] = new
+
+    # The encoder reports that same hash for that uuid and those options...
+    encoder_body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, "uuid": uuid}]}
+        ],
+        "max_tokens": 1,
+        **NON_DEFAULT_OPTIONS,
+    }
+    reply = httpx.post(
+        f"{deployment.encoders[0].url}/v1/chat/completions", json=encoder_body, timeout=300
+    ).json()
+    assert list(reply["ec_transfer_params"]) == [derived]
+    metadata = reply["ec_transfer_params"][derived]["metadata"]
+
+    # ...and the body the middleware gives PD, a metadata-only reference without a single pixel, is
+    # enough: PD answers it exactly like the single instance answers the image.
+    rewritten = seed_request(MODEL, images=[], options=NON_DEFAULT_OPTIONS)
+    rewritten["messages"][0]["content"].insert(
+        0, {"type": "image_embeds", "image_embeds": metadata, "uuid": uuid}
+    )
+    rewritten["ec_transfer_params"] = reply["ec_transfer_params"]
+    assert "base64" not in json.dumps(rewritten)
+    direct = chat(deployment.pd, rewritten, AUTH)
+    record("PD, metadata-only body (no pixels)", direct, response)
+    assert_same(direct, response)
+
+
+def test_streaming_gives_the_same_text(deployment: Deployment) -> None:
+    body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS)
+    plain = chat(deployment.pd, body, AUTH)
+    text = []
+    with httpx.stream(
+        "POST",
+        f"{deployment.pd.url}/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=AUTH,
+        timeout=300,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+    assert "".join(text) == plain.json()["choices"][0]["message"]["content"]
+    REPORT.append({"case": "E + PD, streaming", "status": 200, "output": "".join(text), "match": True})
+
+
+def served_requests(server: lab.VLLMServer) -> int:
+    return server.log_path.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
+
+
+def test_several_images_in_one_request_spread_over_two_encoders(deployment: Deployment) -> None:
+    urls = [image(shift=20), image(shift=40), image(shift=60)]
+    before = deployment.stored_hashes()
+    calls_before = [served_requests(server) for server in deployment.encoders]
+    body = seed_request(MODEL, images=urls)
+    baseline = chat(deployment.single, body)
+    record("single instance, 3 images", baseline)
+    response = chat(deployment.pd, body, AUTH)
+    record("E + PD (2 encoders), 3 images", response, baseline)
+    assert_same(response, baseline)
+    new = deployment.stored_hashes() - before
+    assert new == {content_uuid("image", (url,)) for url in urls}
+    calls_after = [served_requests(server) for server in deployment.encoders]
+    assert all(after > before for after, before in zip(calls_after, calls_before, strict=True))
+
+
+def test_the_same_image_in_two_requests_reuses_the_cache(deployment: Deployment) -> None:
+    body = seed_request(MODEL, images=[image(shift=90)])
+    first = chat(deployment.pd, body, AUTH)
+    stored = deployment.stored_hashes()
+    time.sleep(1.5)  # let the CPU workers go idle, so the timing compares like with like
+    second = chat(deployment.pd, body, AUTH)
+    record("E + PD, same image, 1st request", first)
+    record("E + PD, same image, 2nd request", second, first)
+    assert_same(second, first)
+    assert deployment.stored_hashes() == stored, "the second request must use the same cache key"
+
+
+def test_middleware_flag_loading_equals_the_single_instance(deployment: Deployment) -> None:
+    body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS, images=[image(shift=110)])
+    baseline = chat(deployment.single, body)
+    response = chat(deployment.pd_flag, body)
+    record("E + PD (--middleware), non-default", response, baseline)
+    assert_same(response, baseline)
+
+
+def test_unauthenticated_request_does_no_encoder_work(deployment: Deployment) -> None:
+    before = deployment.stored_hashes()
+    response = chat(deployment.pd, seed_request(MODEL, images=[image(shift=130)]))
+    assert response.status_code == 401
+    assert deployment.stored_hashes() == before
+
+
+def test_plugin_loaded_inside_vllm(deployment: Deployment) -> None:
+    log = deployment.pd.log_path.read_text(errors="replace")
+    assert "Loaded endpoint plugin epd" in log
+
+
+def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
+    """What the middleware prevents: the encoder ran without the options, PD runs with them."""
+    url = image(shift=150)
+    uuid = content_uuid("image", (url,))
+    encoder_body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, "uuid": uuid}]}
+        ],
+        "max_tokens": 1,
+    }
+    reply = httpx.post(
+        f"{deployment.encoders[0].url}/v1/chat/completions", json=encoder_body, timeout=300
+    ).json()
+    [(reported, entry)] = reply["ec_transfer_params"].items()
+    assert reported == uuid  # no options: vLLM keeps the uuid
+    body = seed_request(MODEL, images=[], options=NON_DEFAULT_OPTIONS)
+    body["messages"][0]["content"].insert(
+        0, {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": uuid}
+    )
+    body["ec_transfer_params"] = reply["ec_transfer_params"]
+    try:
+        response = chat(deployment.control, body)
+    except httpx.HTTPError as exc:  # the engine may die mid-request
+        REPORT.append({"case": "negative control (options dropped)", "status": 0, "output": repr(exc)})
+        return
+    record("negative control (options dropped)", response)
+    assert response.status_code != 200
