@@ -330,3 +330,14 @@ def test_part_metadata_is_all_or_nothing_per_modality() -> None:
         "hb": {"metadata": {}},
         "hc": {"metadata": {"n": [3]}},
     }
+
+
+def test_configuration_doc_lists_every_option_and_variable() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    for name in EPDConfig.model_fields:
+        assert f"`{name}`" in doc, f"docs/configuration.md does not document {name}"
+        assert f"`{EPDConfig.env_var(name)}`" in doc, (
+            f"docs/configuration.md misses {EPDConfig.env_var(name)}"
+        )
