@@ -44,6 +44,13 @@ class EPDPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         check_server(getattr(state, "vllm_config", None))
+        if not getattr(args, "trust_request_mm_kwargs", True):
+            # Not fatal: deployments whose clients never send options work without it.
+            logger.warning(
+                "epd: this PD runs without --trust-request-mm-kwargs, so vLLM will reject requests carrying "
+                "mm_processor_kwargs or media_io_kwargs after their media was encoded; start PD and every "
+                "encoder with --trust-request-mm-kwargs if clients send them"
+            )
 
 
 def check_server(vllm_config: Any) -> None:

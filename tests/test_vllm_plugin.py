@@ -50,6 +50,16 @@ async def test_init_state_accepts_an_ec_consumer_only() -> None:
         check_server(None)
 
 
+async def test_init_state_warns_when_pd_does_not_trust_request_options(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    state = ec(ec_connector="ECExampleConnector", ec_role="ec_consumer", is_ec_consumer=True)
+    await EPDPlugin().init_state(None, state, SimpleNamespace(trust_request_mm_kwargs=True))
+    assert "trust-request-mm-kwargs" not in caplog.text
+    await EPDPlugin().init_state(None, state, SimpleNamespace(trust_request_mm_kwargs=False))
+    assert "--trust-request-mm-kwargs" in caplog.text
+
+
 class RequireKey:
     """Stands for vLLM's AuthenticationMiddleware."""
 
