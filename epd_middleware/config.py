@@ -7,13 +7,13 @@ environment are three spellings of the same model, so they cannot drift apart.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypedDict
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["ENV_PREFIX", "EPDConfig"]
+__all__ = ["ENV_PREFIX", "EPDConfig", "EPDOptions"]
 
 ENV_PREFIX = "EPD_"
 
@@ -33,7 +33,77 @@ class EPDConfig(BaseModel):
     encoder_timeout: float = Field(
         default=60.0,
         gt=0,
-        description="Seconds one encoder call may take, connect to last byte; past it the client gets 504.",
+        description="Seconds one encoder call may take, connect to last byte; past it the call has failed.",
+    )
+    connect_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds to open a connection to an encoder (within encoder_timeout).",
+    )
+    encode_deadline: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds all encoder work of one request may take, retries included; past it 504.",
+    )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Encoders one encoder call may be tried on before it has failed (1 = no failover).",
+    )
+    on_encoder_failure: Literal["error", "local"] = Field(
+        default="error",
+        description=(
+            "What happens to media no encoder could encode: 'error' answers 502/503/504; 'local' sends it "
+            "to the local engine as the original media, which encodes it itself."
+        ),
+    )
+    eject_after: int = Field(
+        default=3,
+        ge=1,
+        description="Consecutive failures after which an encoder is ejected (skipped) for a cool-down.",
+    )
+    eject_cooldown: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds of the first ejection; doubled at each ejection in a row.",
+    )
+    max_eject_cooldown: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest ejection, in seconds.",
+    )
+    health_check_interval: float = Field(
+        default=5.0,
+        ge=0,
+        description="Seconds between GET /health probes of every encoder (0 turns probing off).",
+    )
+    health_check_timeout: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds one health probe may take.",
+    )
+    engine_retries: int = Field(
+        default=1,
+        ge=0,
+        description=(
+            "Times a request is encoded and run again when the local engine answers 500 before any byte "
+            "reached the client."
+        ),
+    )
+    max_inflight_per_encoder: int = Field(
+        default=64,
+        ge=1,
+        description="Most encoder calls in flight to one encoder; further calls wait (within the deadline).",
+    )
+    max_pending_requests: int = Field(
+        default=512,
+        ge=1,
+        description="Most requests in the encode stage at once; past it 503 with Retry-After.",
+    )
+    retry_after: int = Field(
+        default=1,
+        ge=0,
+        description="Seconds sent in Retry-After with a 503.",
     )
     paths: tuple[str, ...] = Field(
         default=("/v1/chat/completions",),
@@ -43,6 +113,11 @@ class EPDConfig(BaseModel):
         default=64 * 1024 * 1024,
         gt=0,
         description="Largest request body read on an intercepted path; larger ones get 413.",
+    )
+    max_media_items: int = Field(
+        default=64,
+        ge=1,
+        description="Most media parts in one request; more get 400 before any encoder call.",
     )
     max_batch_size: int = Field(
         default=8,
@@ -62,6 +137,38 @@ class EPDConfig(BaseModel):
             "Keep the uuid a client put on a media part as its cache key. Off by default: a client uuid is "
             "a key every client shares, so one client could make another receive its embedding."
         ),
+    )
+    check_embeddings: bool = Field(
+        default=True,
+        description=(
+            "Where the local EC connector stores embeddings as files (ECExampleConnector), check that each "
+            "reported embedding exists before handing the engine a reference to it."
+        ),
+    )
+    ec_storage_path: str | None = Field(
+        default=None,
+        description=(
+            "The ECExampleConnector shared_storage_path, for check_embeddings; read from the vLLM server's "
+            "own configuration when not given."
+        ),
+    )
+    api_keys: tuple[str, ...] = Field(
+        default=(),
+        repr=False,
+        description=(
+            "Bearer tokens accepted on intercepted requests, checked before any encoder work. From the "
+            "environment: EPD_API_KEYS, else VLLM_API_KEY. Empty: no check (the epd plugin runs inside "
+            "vLLM's own check)."
+        ),
+    )
+    encoder_api_key: str | None = Field(
+        default=None,
+        repr=False,
+        description="Bearer token sent to the encoders.",
+    )
+    forward_authorization: bool = Field(
+        default=False,
+        description="Send the client's Authorization header to the encoders (instead of encoder_api_key).",
     )
 
     @field_validator("encoders")
@@ -89,6 +196,12 @@ class EPDConfig(BaseModel):
                 raise ValueError(f"path {path!r} must start with '/'")
         return paths
 
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> EPDConfig:
+        if self.max_eject_cooldown < self.eject_cooldown:
+            raise ValueError("max_eject_cooldown must not be shorter than eject_cooldown")
+        return self
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EPDConfig:
         """Read the configuration from ``EPD_*`` variables (``os.environ`` by default)."""
@@ -102,6 +215,9 @@ class EPDConfig(BaseModel):
                 values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
             else:
                 values[name] = raw.strip()
+        if "api_keys" not in values and env.get("VLLM_API_KEY"):
+            # The key vLLM itself checks: with --middleware the middleware runs outside that check.
+            values["api_keys"] = (env["VLLM_API_KEY"],)
         if "encoders" not in values:
             raise ValueError(
                 f"invalid EPD_* environment configuration: {cls.env_var('encoders')} is not set; give the "
@@ -126,3 +242,35 @@ class EPDConfig(BaseModel):
 
 def _is_sequence_field(annotation: Any) -> bool:
     return getattr(annotation, "__origin__", None) is tuple
+
+
+class EPDOptions(TypedDict, total=False):
+    """The keyword options of :class:`~epd_middleware.EPDMiddleware`: the fields of :class:`EPDConfig`,
+    typed, so that ``app.add_middleware(EPDMiddleware, ...)`` type-checks. A test keeps the two equal."""
+
+    encoders: Sequence[str]
+    encoder_timeout: float
+    connect_timeout: float
+    encode_deadline: float
+    max_attempts: int
+    on_encoder_failure: Literal["error", "local"]
+    eject_after: int
+    eject_cooldown: float
+    max_eject_cooldown: float
+    health_check_interval: float
+    health_check_timeout: float
+    engine_retries: int
+    max_inflight_per_encoder: int
+    max_pending_requests: int
+    retry_after: int
+    paths: Sequence[str]
+    max_body_bytes: int
+    max_media_items: int
+    max_batch_size: int
+    rewrite: bool
+    trust_client_uuid: bool
+    check_embeddings: bool
+    ec_storage_path: str | None
+    api_keys: Sequence[str]
+    encoder_api_key: str | None
+    forward_authorization: bool

@@ -1,4 +1,8 @@
-"""Typed errors of the request path and the OpenAI-style JSON bodies clients see for them."""
+"""Typed errors of the request path and the OpenAI-style JSON bodies clients see for them.
+
+Messages name the encoder (by its configured URL) and the reason, never a stack trace, a request body,
+or an address the operator did not configure.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,20 @@ __all__ = [
     "EPDError",
     "EncoderBadReply",
     "EncoderError",
+    "EncoderRejected",
     "EncoderStatusError",
     "EncoderTimeout",
     "EncoderUnavailable",
+    "NoHealthyEncoder",
+    "Overloaded",
+    "TooManyMediaItems",
+    "Unauthorized",
 ]
 
 _encode = msgspec.json.Encoder().encode
+
+# Statuses that say something about the encoder, not about the request: another encoder may succeed.
+RETRYABLE_STATUSES = frozenset({401, 403, 408, 429})
 
 
 class EPDError(Exception):
@@ -59,10 +71,49 @@ class BodyTooLarge(EPDError):
         self.limit = limit
 
 
+class TooManyMediaItems(EPDError):
+    status = 400
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(
+            f"the request has {count} media parts, more than the limit of {limit}", param="messages"
+        )
+
+
+class Unauthorized(EPDError):
+    status = 401
+
+    def __init__(self) -> None:
+        super().__init__("missing or invalid API key")
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"www-authenticate", b"Bearer")]
+
+
+class _RetryLater(EPDError):
+    status = 503
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"retry-after", str(self.retry_after).encode())]
+
+
+class Overloaded(_RetryLater):
+    """Too many requests are waiting for encoders: refuse now rather than queue without bound."""
+
+
+class NoHealthyEncoder(_RetryLater):
+    """Every encoder is ejected and the fallback policy is 'error'."""
+
+
 class EncoderError(EPDError):
     """An encoder call that did not give usable handles; names the encoder and the reason."""
 
     status = 502
+    retryable = True  # another encoder may succeed where this one failed
 
     def __init__(self, encoder: str, reason: str) -> None:
         super().__init__(f"encoder {encoder} failed: {reason}")
@@ -79,12 +130,24 @@ class EncoderTimeout(EncoderError):
 
 
 class EncoderStatusError(EncoderError):
-    """The encoder answered with a status other than 200."""
+    """The encoder answered 5xx or a status about itself (401, 403, 408, 429)."""
 
-    def __init__(self, encoder: str, status_code: int, detail: str) -> None:
+    def __init__(self, encoder: str, status_code: int, detail: str = "") -> None:
         super().__init__(encoder, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}")
         self.status_code = status_code
 
 
+class EncoderRejected(EncoderError):
+    """The encoder said the request itself is bad (400, 404, 413, 422 ...): no other encoder will differ,
+    so the client gets the encoder's status and message."""
+
+    retryable = False
+
+    def __init__(self, encoder: str, status_code: int, detail: str) -> None:
+        super().__init__(encoder, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}")
+        self.status_code = status_code
+        self.status = status_code
+
+
 class EncoderBadReply(EncoderError):
-    """The encoder answered 200 with a body the middleware cannot use."""
+    """The encoder answered 200 with a body the middleware cannot use, or an embedding that is missing."""

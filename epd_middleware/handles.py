@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import EncoderBadReply
-from .plan import EncoderCall
+from .plan import MediaItem
 from .protocol import ITEM_INDICES, METADATA
 
 __all__ = ["Handle", "ItemKey", "match_reply", "part_metadata", "transfer_params"]
@@ -35,7 +35,7 @@ class Handle:
         return metadata if isinstance(metadata, dict) and metadata else None
 
 
-def match_reply(call: EncoderCall, ec_transfer_params: Any) -> dict[ItemKey, Handle]:
+def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: Any) -> dict[ItemKey, Handle]:
     """Match the entries of one encoder reply to the items of its call.
 
     By ``item_indices`` first (positions in the call's items), then by the uuid as key, then a lone
@@ -44,26 +44,25 @@ def match_reply(call: EncoderCall, ec_transfer_params: Any) -> dict[ItemKey, Han
     if ec_transfer_params is None:
         return {}
     if not isinstance(ec_transfer_params, dict):
-        raise EncoderBadReply(call.encoder, "ec_transfer_params is not an object")
-    items = call.items
+        raise EncoderBadReply(encoder, "ec_transfer_params is not an object")
     by_uuid = {item.uuid: index for index, item in enumerate(items)}
     matched: dict[int, Handle] = {}
 
     def assign(index: int, handle: Handle) -> None:
         if index in matched:
             raise EncoderBadReply(
-                call.encoder,
+                encoder,
                 f"item {index} is claimed by both {matched[index].mm_hash!r} and {handle.mm_hash!r}",
             )
         matched[index] = handle
 
     for mm_hash, entry in ec_transfer_params.items():
         if not isinstance(entry, dict):
-            raise EncoderBadReply(call.encoder, f"ec_transfer_params entry {mm_hash!r} is not an object")
+            raise EncoderBadReply(encoder, f"ec_transfer_params entry {mm_hash!r} is not an object")
         handle = Handle(mm_hash, entry)
         indices = entry.get(ITEM_INDICES)
         if indices is not None:
-            for index in _checked_indices(call, mm_hash, indices):
+            for index in _checked_indices(encoder, len(items), mm_hash, indices):
                 assign(index, handle)
         elif mm_hash in by_uuid:
             assign(by_uuid[mm_hash], handle)
@@ -71,25 +70,25 @@ def match_reply(call: EncoderCall, ec_transfer_params: Any) -> dict[ItemKey, Han
             assign(0, handle)
         else:
             raise EncoderBadReply(
-                call.encoder,
+                encoder,
                 f"ec_transfer_params entry {mm_hash!r} matches none of the {len(items)} items sent",
             )
     return {(items[index].modality, items[index].uuid): handle for index, handle in matched.items()}
 
 
-def _checked_indices(call: EncoderCall, mm_hash: str, indices: Any) -> list[int]:
+def _checked_indices(encoder: str, count: int, mm_hash: str, indices: Any) -> list[int]:
     if not isinstance(indices, list) or not indices:
-        raise EncoderBadReply(call.encoder, f"item_indices of {mm_hash!r} is not a non-empty list")
+        raise EncoderBadReply(encoder, f"item_indices of {mm_hash!r} is not a non-empty list")
     for index in indices:
         if type(index) is not int:
-            raise EncoderBadReply(call.encoder, f"item_indices of {mm_hash!r} holds a non-integer {index!r}")
-        if not 0 <= index < len(call.items):
+            raise EncoderBadReply(encoder, f"item_indices of {mm_hash!r} holds a non-integer {index!r}")
+        if not 0 <= index < count:
             raise EncoderBadReply(
-                call.encoder,
-                f"item_indices of {mm_hash!r} holds {index}, out of range for {len(call.items)} items",
+                encoder,
+                f"item_indices of {mm_hash!r} holds {index}, out of range for {count} items",
             )
     if len(set(indices)) != len(indices):
-        raise EncoderBadReply(call.encoder, f"item_indices of {mm_hash!r} repeats an index")
+        raise EncoderBadReply(encoder, f"item_indices of {mm_hash!r} repeats an index")
     return indices
 
 

@@ -1,66 +1,54 @@
-"""EPDMiddleware: the pure ASGI layer. Scope filtering, body buffering and replay, the lifespan-owned HTTP
-client, disconnects, and typed errors turned into responses. It knows nothing of message formats: the
-request path itself lives in :mod:`epd_middleware.pipeline`.
+"""EPDMiddleware: the pure ASGI layer. Scope filtering, authentication, body buffering and replay, the
+lifespan-owned HTTP client and health probes, disconnects, the engine retry, and typed errors turned
+into responses. It knows nothing of message formats: the request path lives in
+:mod:`epd_middleware.pipeline`.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import anyio
 import httpx
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from typing_extensions import Unpack
 
-from .config import EPDConfig
-from .encoders import EncoderPool
-from .errors import BodyTooLarge, EPDError
+from .config import EPDConfig, EPDOptions
+from .errors import BodyTooLarge, EPDError, Unauthorized
 from .pipeline import Pipeline
-from .protocol import REQUEST_ID_HEADER
+from .protocol import REQUEST_ID_HEADER, example_connector_storage
 from .surfaces.openai_chat import ChatRequest
 
 __all__ = ["EPDMiddleware"]
 
+logger = logging.getLogger("epd_middleware")
+
 _JSON = b"application/json"
+_UNRESOLVED = object()
 
 
 class EPDMiddleware:
     """Encode the media of multimodal chat requests on remote vLLM encoders before the local engine runs.
 
-    ``app.add_middleware(EPDMiddleware, encoders=["http://enc-0:8001"])``. With no options at all the
-    configuration comes from ``EPD_*`` environment variables (:meth:`EPDConfig.from_env`), which is how
-    ``vllm serve --middleware epd_middleware.EPDMiddleware`` loads it.
+    ``app.add_middleware(EPDMiddleware, encoders=["http://enc-0:8001"])``; every option of
+    :class:`EPDConfig` is a keyword. ``config=EPDConfig(...)`` is the same as the keywords (not both).
+    With no options the configuration comes from ``EPD_*`` environment variables, which is how
+    ``vllm serve --middleware epd_middleware.EPDMiddleware`` loads it. ``http_client`` is used for every
+    encoder call and never closed here.
     """
 
     def __init__(
         self,
         app: ASGIApp,
         *,
-        encoders: Sequence[str] | None = None,
         http_client: httpx.AsyncClient | None = None,
-        encoder_timeout: float | None = None,
-        paths: Sequence[str] | None = None,
-        max_body_bytes: int | None = None,
-        max_batch_size: int | None = None,
-        rewrite: bool | None = None,
-        trust_client_uuid: bool | None = None,
         config: EPDConfig | None = None,
+        **options: Unpack[EPDOptions],
     ) -> None:
-        options: dict[str, Any] = {
-            name: value
-            for name, value in (
-                ("encoders", encoders),
-                ("encoder_timeout", encoder_timeout),
-                ("paths", paths),
-                ("max_body_bytes", max_body_bytes),
-                ("max_batch_size", max_batch_size),
-                ("rewrite", rewrite),
-                ("trust_client_uuid", trust_client_uuid),
-            )
-            if value is not None
-        }
         if config is not None and options:
             raise TypeError(
                 f"EPDMiddleware takes either config=EPDConfig(...) or keyword options, not both "
@@ -68,14 +56,20 @@ class EPDMiddleware:
             )
         if config is None:
             try:
-                config = EPDConfig(**options) if options else EPDConfig.from_env()
+                config = EPDConfig(**options) if options else EPDConfig.from_env()  # type: ignore[arg-type]
             except ValidationError as exc:
                 raise ValueError(f"invalid EPDMiddleware configuration: {exc}") from None
         self.app = app
         self.config = config
         self._paths = frozenset(config.paths)
-        self._pipeline = Pipeline(config, EncoderPool(config.encoders))
-        self._clients = _ClientHolder(http_client, config.encoder_timeout)
+        self._api_keys = tuple(f"Bearer {key}".encode() for key in config.api_keys)
+        self._pipeline = Pipeline(config)
+        self._clients = _ClientHolder(http_client, config)
+        self._server = _ServerFacts(config)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._pipeline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and self._intercepts(scope):
@@ -97,19 +91,42 @@ class EPDMiddleware:
                 return bool(value.split(b";", 1)[0].strip().lower() == _JSON)
         return False
 
+    def _authorized(self, scope: Scope) -> bool:
+        if not self._api_keys:
+            return True
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return any(hmac.compare_digest(value, key) for key in self._api_keys)
+        return False
+
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def receive_opening() -> Message:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                self._clients.open()
-            return message
+        """Open the owned client and start health probes at start-up; stop and close at shutdown."""
+        probes = anyio.CancelScope()
 
-        async def send_closing(message: Message) -> None:
-            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
-                await self._clients.aclose()
-            await send(message)
+        async with anyio.create_task_group() as group:
 
-        await self.app(scope, receive_opening, send_closing)
+            async def probe(client: httpx.AsyncClient) -> None:
+                with probes:
+                    await self._pipeline.pool.probe_forever(client, self._clients.probe_headers())
+
+            async def receive_opening() -> Message:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    group.start_soon(probe, self._clients.open())
+                elif message["type"] == "lifespan.shutdown":
+                    probes.cancel()
+                return message
+
+            async def send_closing(message: Message) -> None:
+                if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                    probes.cancel()
+                    await self._clients.aclose()
+                await send(message)
+
+            try:
+                await self.app(scope, receive_opening, send_closing)
+            finally:
+                probes.cancel()
 
 
 class _ClientHolder:
@@ -119,22 +136,56 @@ class _ClientHolder:
     first use.
     """
 
-    def __init__(self, injected: httpx.AsyncClient | None, timeout: float) -> None:
+    def __init__(self, injected: httpx.AsyncClient | None, config: EPDConfig) -> None:
         self._injected = injected
-        self._timeout = timeout
+        self._config = config
         self._owned: httpx.AsyncClient | None = None
 
     def open(self) -> httpx.AsyncClient:
         if self._injected is not None:
             return self._injected
         if self._owned is None or self._owned.is_closed:
-            self._owned = httpx.AsyncClient(timeout=httpx.Timeout(self._timeout))
+            config = self._config
+            self._owned = httpx.AsyncClient(
+                timeout=httpx.Timeout(
+                    config.encoder_timeout, connect=min(config.connect_timeout, config.encoder_timeout)
+                ),
+                limits=httpx.Limits(
+                    max_connections=config.max_inflight_per_encoder * len(config.encoders),
+                    max_keepalive_connections=config.max_inflight_per_encoder * len(config.encoders),
+                ),
+            )
         return self._owned
+
+    def probe_headers(self) -> dict[str, str]:
+        key = self._config.encoder_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
 
     async def aclose(self) -> None:
         owned, self._owned = self._owned, None
         if owned is not None:
             await owned.aclose()
+
+
+class _ServerFacts:
+    """What the middleware learns from the vLLM server it runs in, once: where embeddings are stored."""
+
+    def __init__(self, config: EPDConfig) -> None:
+        self._config = config
+        self._storage: object = config.ec_storage_path if config.ec_storage_path else _UNRESOLVED
+
+    def storage(self, scope: Scope) -> str | None:
+        if not self._config.check_embeddings:
+            return None
+        if self._storage is _UNRESOLVED:
+            app = scope.get("app")
+            vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+            if vllm_config is None:
+                return None  # not known yet (or not inside vLLM): look again next time
+            self._storage = example_connector_storage(vllm_config)
+            if self._storage:
+                logger.info("epd: checking embeddings under %s before referencing them", self._storage)
+        return self._storage if isinstance(self._storage, str) else None
 
 
 class _Disconnected(Exception):
@@ -153,6 +204,10 @@ class _Exchange:
         self.send = send
 
     async def run(self) -> None:
+        middleware = self.middleware
+        if not middleware._authorized(self.scope):
+            await self._send_error(Unauthorized())
+            return
         try:
             body = await self._read_body()
         except _Disconnected:
@@ -160,23 +215,38 @@ class _Exchange:
         except BodyTooLarge as exc:
             await self._send_error(exc)
             return
-        request = self.middleware._pipeline.parse(body)
+        request = middleware._pipeline.parse(body)
         if request is None:
-            await self.middleware.app(self.scope, _replay(body, self.receive), self.send)
+            middleware._pipeline.counters["passed_through"] += 1
+            await middleware.app(self.scope, _replay(body, self.receive), self.send)
             return
         request_id, generated = self._request_id()
-        try:
-            new_body = await self._prepare(request, request_id)
-        except _Disconnected:
-            return
-        except EPDError as exc:
-            await self._send_error(exc)
-            return
-        scope = dict(self.scope)
-        scope["headers"] = _engine_headers(
-            self.scope["headers"], len(new_body), request_id if generated else None
-        )
-        await self.middleware.app(scope, _replay(new_body, self.receive), self.send)
+        retries = middleware.config.engine_retries
+        for attempt in range(retries + 1):
+            try:
+                new_body = await self._prepare(request, request_id)
+            except _Disconnected:
+                return
+            except EPDError as exc:
+                middleware._pipeline.counters[f"error_{exc.status}"] += 1
+                await self._send_error(exc)
+                return
+            scope = dict(self.scope)
+            scope["headers"] = _engine_headers(
+                self.scope["headers"], len(new_body), request_id if generated else None
+            )
+            guard = _EngineFailureGuard(self.send, hold=attempt < retries)
+            await middleware.app(scope, _replay(new_body, self.receive), guard.send)
+            if not guard.withheld:
+                return
+            middleware._pipeline.counters["engine_retries"] += 1
+            logger.warning(
+                "request %s: the local engine answered 500 before any byte reached the client; "
+                "encoding and running it again (%d of %d)",
+                request_id,
+                attempt + 1,
+                retries,
+            )
 
     async def _read_body(self) -> bytes:
         limit = self.middleware.config.max_body_bytes
@@ -210,10 +280,17 @@ class _Exchange:
                 return value.decode("latin-1"), False
         return uuid.uuid4().hex, True
 
+    def _authorization(self) -> str | None:
+        for name, value in self.scope["headers"]:
+            if name == b"authorization":
+                return str(value.decode("latin-1"))
+        return None
+
     async def _prepare(self, request: ChatRequest, request_id: str) -> bytes:
         """Run the pipeline while listening for the client going away, which cancels the encoder calls."""
-        pipeline = self.middleware._pipeline
-        client = self.middleware._clients.open()
+        middleware = self.middleware
+        client = middleware._clients.open()
+        storage = middleware._server.storage(self.scope)
         result = b""
         failure: EPDError | None = None
         disconnected = False
@@ -230,7 +307,9 @@ class _Exchange:
 
             group.start_soon(watch_disconnect)
             try:
-                result = await pipeline.prepare(request, client, request_id)
+                result = await middleware._pipeline.prepare(
+                    request, client, request_id, storage=storage, authorization=self._authorization()
+                )
             except EPDError as exc:
                 failure = exc
             finally:
@@ -250,6 +329,26 @@ class _Exchange:
         ]
         await self.send({"type": "http.response.start", "status": error.status, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
+
+
+class _EngineFailureGuard:
+    """Passes the engine's response through, except a 500 that may be retried: nothing of it is sent, so
+    the client never sees a byte of a response that is then replaced."""
+
+    __slots__ = ("_send", "hold", "withheld")
+
+    def __init__(self, send: Send, *, hold: bool) -> None:
+        self._send = send
+        self.hold = hold
+        self.withheld = False
+
+    async def send(self, message: Message) -> None:
+        if self.withheld:
+            return
+        if self.hold and message["type"] == "http.response.start" and message["status"] == 500:
+            self.withheld = True
+            return
+        await self._send(message)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
 
+import anyio
 import httpx
 
 from .config import EPDConfig
-from .encoders import EncoderPool, call_encoders
+from .encoders import EncoderPool
+from .errors import NoHealthyEncoder, Overloaded, TooManyMediaItems
 from .handles import part_metadata, transfer_params
 from .plan import media_items, plan_calls
 from .protocol import REQUEST_ID_HEADER
@@ -15,15 +19,21 @@ from .surfaces import openai_chat as chat
 
 __all__ = ["Pipeline"]
 
+logger = logging.getLogger("epd_middleware")
+
 _REQUEST_ID = REQUEST_ID_HEADER.decode()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class Pipeline:
-    """Everything a request needs that outlives it: configuration, encoders and their cursor."""
+    """Everything a request needs that outlives it: configuration, the encoder pool, counters."""
 
     config: EPDConfig
-    pool: EncoderPool
+    pool: EncoderPool = field(init=False)
+    counters: Counter[str] = field(init=False, default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.pool = EncoderPool(self.config)
 
     def parse(self, body: bytes) -> chat.ChatRequest | None:
         """The request's media parts, or None when the body passes to the engine unchanged.
@@ -37,31 +47,91 @@ class Pipeline:
             return None
         return request
 
-    async def prepare(self, request: chat.ChatRequest, client: httpx.AsyncClient, request_id: str) -> bytes:
+    async def prepare(
+        self,
+        request: chat.ChatRequest,
+        client: httpx.AsyncClient,
+        request_id: str,
+        *,
+        storage: str | None = None,
+        authorization: str | None = None,
+    ) -> bytes:
         """The body the local engine should see, with the handles of the encoded media.
 
-        Raises :class:`~epd_middleware.errors.EncoderError` when the media could not be encoded.
+        Raises an :class:`~epd_middleware.errors.EPDError` when the request must be answered with an
+        error instead (limits, overload, encoders failing under the 'error' policy).
         """
-        config = self.config
+        config, pool = self.config, self.pool
+        if len(request.media) > config.max_media_items:
+            raise TooManyMediaItems(len(request.media), config.max_media_items)
+        if pool.pending >= config.max_pending_requests:
+            self.counters["rejected_overloaded"] += 1
+            raise Overloaded(
+                f"{pool.pending} requests are already waiting for encoders; retry later", config.retry_after
+            )
+        pool.pending += 1
+        try:
+            return await self._encode_and_rewrite(request, client, request_id, storage, authorization)
+        finally:
+            pool.pending -= 1
 
+    async def _encode_and_rewrite(
+        self,
+        request: chat.ChatRequest,
+        client: httpx.AsyncClient,
+        request_id: str,
+        storage: str | None,
+        authorization: str | None,
+    ) -> bytes:
+        config, pool = self.config, self.pool
         items, uuids = media_items(
             request.media,
             trust_client_uuid=config.trust_client_uuid,
             salt=request.cache_salt,
             encoder_part=chat.encoder_part,
         )
-        calls = plan_calls(items, self.pool.urls, self.pool.reserve(len(items)), config.max_batch_size)
+        local = config.on_encoder_failure == "local"
+        encoders = pool.available(anyio.current_time())
+        if not encoders and not local:
+            self.counters["error_no_encoder"] += 1
+            raise NoHealthyEncoder("every encoder is failing its calls; retry later", config.retry_after)
+        calls = (
+            plan_calls(items, encoders, pool.reserve(len(items), len(encoders)), config.max_batch_size)
+            if encoders
+            else ()
+        )
 
-        handles = await call_encoders(
+        auth = authorization if config.forward_authorization else None
+        if auth is None and config.encoder_api_key:
+            auth = f"Bearer {config.encoder_api_key}"
+        headers = []
+        for index in range(len(calls)):
+            call_headers = {_REQUEST_ID: f"{request_id}-enc{index}"}
+            if auth is not None:
+                call_headers["authorization"] = auth
+            headers.append(call_headers)
+
+        outcome = await pool.encode(
             client,
             calls,
             [chat.encoder_body(request, [item.part for item in call.items]) for call in calls],
-            headers=[{_REQUEST_ID: f"{request_id}-enc{index}"} for index in range(len(calls))],
-            call_timeout=config.encoder_timeout,
+            headers,
+            storage=storage,
+            stop_at_first_failure=not local,
         )
+        if outcome.failed or not calls:
+            # Only under the 'local' policy: those items go to the engine as the media the client sent.
+            fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(items)
+            reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
+            self.counters["fallback_items"] += fallen
+            self.counters["fallback_requests"] += 1
+            logger.warning(
+                "request %s: %d media item(s) left to the local engine: %s", request_id, fallen, reason
+            )
 
         keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
         metadata = part_metadata(
-            keys, handles, rewrite=config.rewrite, keep_raw=request.referenced_modalities
+            keys, outcome.handles, rewrite=config.rewrite, keep_raw=request.referenced_modalities
         )
-        return chat.rewritten_body(request, uuids, metadata, transfer_params(handles))
+        self.counters["encoded_requests"] += 1
+        return chat.rewritten_body(request, uuids, metadata, transfer_params(outcome.handles))

@@ -76,3 +76,17 @@ METADATA: Final = "metadata"
 
 # vLLM takes the request id from this header (``_base_request_id``); E and PD logs join on it.
 REQUEST_ID_HEADER: Final = b"x-request-id"
+
+
+def example_connector_storage(vllm_config: object) -> str | None:
+    """The directory where this server's ECExampleConnector looks for embeddings, if that is its connector.
+
+    ``distributed/ec_transfer/ec_connector/example_connector.py``: ``<shared_storage_path>/<mm_hash>/
+    encoder_cache.safetensors``, ``shared_storage_path`` defaulting to ``/tmp``.
+    """
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is None or getattr(ec, "ec_connector", None) != "ECExampleConnector":
+        return None
+    extra = getattr(ec, "ec_connector_extra_config", None) or {}
+    path = extra.get("shared_storage_path", "/tmp") if isinstance(extra, dict) else "/tmp"
+    return str(path)

@@ -12,6 +12,7 @@ vLLM is imported by vLLM, not here: the package imports without it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .config import EPDConfig
@@ -34,8 +35,13 @@ class EPDPlugin:
     def attach_router(self, app: Any) -> None:
         # Read the environment here, not in __init__: vLLM logs and skips a plugin whose factory raises,
         # while an error here stops the server at start-up with the message.
-        self.config = EPDConfig.from_env()
-        app.add_middleware(EPDMiddleware, config=self.config)
+        config = EPDConfig.from_env()
+        if "EPD_API_KEYS" not in os.environ:
+            # from_env falls back to VLLM_API_KEY for --middleware loading, which runs outside vLLM's key
+            # check; added here, the middleware runs inside it, so checking again would only cost time.
+            config = config.model_copy(update={"api_keys": ()})
+        self.config = config
+        app.add_middleware(EPDMiddleware, config=config)
         logger.info(
             "epd: encoder disaggregation over %d encoder(s): %s",
             len(self.config.encoders),

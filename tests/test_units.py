@@ -44,10 +44,12 @@ def test_from_env_reads_every_option() -> None:
 def test_every_field_has_an_env_var_and_a_middleware_keyword() -> None:
     import inspect
 
-    keywords = set(inspect.signature(EPDMiddleware.__init__).parameters)
+    from epd_middleware.config import EPDOptions
+
+    assert set(EPDOptions.__annotations__) == set(EPDConfig.model_fields)
+    assert {"config", "http_client", "options"} <= set(inspect.signature(EPDMiddleware.__init__).parameters)
     for name in EPDConfig.model_fields:
         assert EPDConfig.env_var(name) == "EPD_" + name.upper()
-        assert name in keywords, f"{name} is not a keyword of EPDMiddleware"
 
 
 @pytest.mark.parametrize(
@@ -261,10 +263,10 @@ def test_plan_sends_audio_and_video_alone() -> None:
 def test_pool_cursor_spreads_single_item_requests_evenly() -> None:
     from epd_middleware.encoders import EncoderPool
 
-    pool = EncoderPool([E0, E1, E2])
+    pool = EncoderPool(EPDConfig(encoders=(E0, E1, E2)))
     counts = {E0: 0, E1: 0, E2: 0}
     for _ in range(30):
-        [call] = plan_calls(items("image"), pool.urls, pool.reserve(1), 8)
+        [call] = plan_calls(items("image"), pool.urls, pool.reserve(1, 3), 8)
         counts[call.encoder] += 1
     assert counts == {E0: 10, E1: 10, E2: 10}
 
@@ -272,18 +274,18 @@ def test_pool_cursor_spreads_single_item_requests_evenly() -> None:
 # --- handles ----------------------------------------------------------------------------------------
 
 
-def call(n: int, encoder: str = E0) -> EncoderCall:
-    return EncoderCall(encoder, tuple(items(*["image"] * n)))
+def call(n: int, encoder: str = E0) -> tuple[str, list[MediaItem]]:
+    return encoder, items(*["image"] * n)
 
 
 def test_match_by_item_indices_then_uuid_then_lone_entry() -> None:
     by_index = match_reply(
-        call(2), {"h1": {"item_indices": [1], "metadata": {"a": 1}}, "h0": {"item_indices": [0]}}
+        *call(2), {"h1": {"item_indices": [1], "metadata": {"a": 1}}, "h0": {"item_indices": [0]}}
     )
     assert {key[1]: handle.mm_hash for key, handle in by_index.items()} == {"u0": "h0", "u1": "h1"}
-    by_uuid = match_reply(call(2), {"u1": {"metadata": {"a": 1}}})
+    by_uuid = match_reply(*call(2), {"u1": {"metadata": {"a": 1}}})
     assert {key[1]: handle.mm_hash for key, handle in by_uuid.items()} == {"u1": "u1"}
-    lone = match_reply(call(1), {"derived": {"metadata": {"a": 1}, "peer_host": "h", "size_bytes": 9}})
+    lone = match_reply(*call(1), {"derived": {"metadata": {"a": 1}, "peer_host": "h", "size_bytes": 9}})
     assert lone[("image", "u0")].entry["peer_host"] == "h"
 
 
@@ -305,14 +307,14 @@ def test_match_by_item_indices_then_uuid_then_lone_entry() -> None:
 )
 def test_unusable_replies_name_the_encoder(params: Any, reason: str) -> None:
     with pytest.raises(EncoderBadReply, match=reason) as info:
-        match_reply(call(2, E1), params)
+        match_reply(*call(2, E1), params)
     assert info.value.encoder == E1
     assert E1 in info.value.message
 
 
 def test_missing_entries_are_not_an_error() -> None:
-    assert match_reply(call(2), None) == {}
-    assert match_reply(call(2), {}) == {}
+    assert match_reply(*call(2), None) == {}
+    assert match_reply(*call(2), {}) == {}
 
 
 def test_part_metadata_is_all_or_nothing_per_modality() -> None:
