@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -74,6 +75,14 @@ class FakeEncoders:
     started: anyio.Event | None = None
     cancelled: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
+    # Like ECExampleConnector: each reported embedding is written under storage/<hash>/, except by the
+    # encoders in skip_store (a producer whose file never lands).
+    storage: Path | None = None
+    skip_store: set[str] = field(default_factory=set)
+    delay: float = 0.0
+    in_flight: dict[str, int] = field(default_factory=dict)
+    peak_in_flight: dict[str, int] = field(default_factory=dict)
+    health_status: dict[str, int] = field(default_factory=dict)
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(self.handle))
@@ -84,7 +93,21 @@ class FakeEncoders:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         encoder = f"{request.url.scheme}://{request.url.netloc.decode()}"
         assert encoder in self.urls, f"call to unknown encoder {encoder}"
+        if request.url.path == "/health":
+            if self.mode.get(encoder) == "refuse":
+                raise httpx.ConnectError("connection refused", request=request)
+            return httpx.Response(self.health_status.get(encoder, 200))
         assert request.url.path == "/v1/chat/completions"
+        self.in_flight[encoder] = self.in_flight.get(encoder, 0) + 1
+        self.peak_in_flight[encoder] = max(self.peak_in_flight.get(encoder, 0), self.in_flight[encoder])
+        try:
+            return await self._handle(encoder, request)
+        finally:
+            self.in_flight[encoder] -= 1
+
+    async def _handle(self, encoder: str, request: httpx.Request) -> httpx.Response:
+        if self.delay:
+            await anyio.sleep(self.delay)
         body = json.loads(request.content)
         self.calls.append(EncoderCallRecord(encoder, body, dict(request.headers)))
         mode = self.mode.get(encoder, "ok")
@@ -109,7 +132,12 @@ class FakeEncoders:
         if mode == "not_object":
             return httpx.Response(200, json=[1, 2, 3])
         self.completed.append(encoder)
-        return httpx.Response(200, json=self.reply(body, mode))
+        reply = self.reply(body, mode)
+        if self.storage is not None and encoder not in self.skip_store:
+            for mm_hash in reply["ec_transfer_params"]:
+                (self.storage / mm_hash).mkdir(parents=True, exist_ok=True)
+                (self.storage / mm_hash / "encoder_cache.safetensors").write_bytes(b"x")
+        return httpx.Response(200, json=reply)
 
     def reply(self, body: dict[str, Any], mode: str) -> dict[str, Any]:
         parts = body["messages"][0]["content"]
@@ -162,11 +190,24 @@ class FakeEngine:
     """A stand-in for vLLM's OpenAI app: records what reached it, answers JSON or SSE."""
 
     received: list[EngineRecord] = field(default_factory=list)
+    fail_next: int = 0  # answer this many requests with vLLM's 500 (an embedding it could not load)
 
     def app(self) -> Starlette:
         async def chat(request: Request) -> Response:
             body = await request.body()
             self.received.append(EngineRecord(body, dict(request.headers)))
+            if self.fail_next:
+                self.fail_next -= 1
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "EngineCore encountered an issue",
+                            "type": "InternalServerError",
+                            "code": 500,
+                        }
+                    },
+                    status_code=500,
+                )
             try:
                 payload = json.loads(body)
             except ValueError:
