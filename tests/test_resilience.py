@@ -143,11 +143,11 @@ async def test_health_probes_run_from_the_lifespan() -> None:
             middleware, {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send
         )
         with anyio.fail_after(5):
-            while middleware.pipeline.pool.snapshot(anyio.current_time())[E1]["healthy"]:
+            while middleware.pipeline.pool.snapshot(anyio.current_time())[E1]["healthy"]:  # noqa: ASYNC110 (polling health the probe changes)
                 await anyio.sleep(0.01)
         encoders.mode[E1] = "ok"
         with anyio.fail_after(5):
-            while not middleware.pipeline.pool.snapshot(anyio.current_time())[E1]["healthy"]:
+            while not middleware.pipeline.pool.snapshot(anyio.current_time())[E1]["healthy"]:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         shutdown.set()
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
@@ -191,7 +191,8 @@ async def test_local_fallback_is_per_modality_and_keeps_what_did_encode() -> Non
     assert (await post(app, body)).status_code == 200
     parts = media_parts(engine.received[0].json)
     assert parts[0]["type"] == "image_embeds"
-    assert parts[1]["type"] == "input_audio" and parts[1]["uuid"]
+    assert parts[1]["type"] == "input_audio"
+    assert parts[1]["uuid"]
     assert list(engine.received[0].json["ec_transfer_params"]) == [parts[0]["uuid"]]
 
 
