@@ -9,7 +9,6 @@ failed call means for the request.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,12 +29,12 @@ from .errors import (
     EncoderUnavailable,
 )
 from .handles import Handle, ItemKey, match_reply
+from .logs import logger
 from .plan import EncoderCall
 from .protocol import EC_TRANSFER_PARAMS
 
 __all__ = ["EncodeOutcome", "EncoderPool"]
 
-logger = logging.getLogger("epd_middleware")
 
 _decode_reply = msgspec.json.Decoder().decode
 _JSON = "application/json"

@@ -7,7 +7,6 @@ into responses. It knows nothing of message formats: the request path lives in
 from __future__ import annotations
 
 import hmac
-import logging
 import uuid
 from collections.abc import Sequence
 
@@ -19,13 +18,13 @@ from typing_extensions import Unpack
 
 from .config import EPDConfig, EPDOptions
 from .errors import BodyTooLarge, EPDError, Unauthorized
+from .logs import adopt_vllm_logging, logger
 from .pipeline import Pipeline
 from .protocol import REQUEST_ID_HEADER, example_connector_storage
 from .surfaces.openai_chat import ChatRequest
 
 __all__ = ["EPDMiddleware"]
 
-logger = logging.getLogger("epd_middleware")
 
 _JSON = b"application/json"
 _UNRESOLVED = object()
@@ -59,6 +58,7 @@ class EPDMiddleware:
                 config = EPDConfig(**options) if options else EPDConfig.from_env()  # type: ignore[arg-type]
             except ValidationError as exc:
                 raise ValueError(f"invalid EPDMiddleware configuration: {exc}") from None
+        adopt_vllm_logging()
         self.app = app
         self.config = config
         self._paths = frozenset(config.paths)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -13,13 +12,13 @@ from .config import EPDConfig
 from .encoders import EncoderPool
 from .errors import NoHealthyEncoder, Overloaded, TooManyMediaItems
 from .handles import part_metadata, transfer_params
+from .logs import logger
 from .plan import media_items, plan_calls
 from .protocol import REQUEST_ID_HEADER
 from .surfaces import openai_chat as chat
 
 __all__ = ["Pipeline"]
 
-logger = logging.getLogger("epd_middleware")
 
 _REQUEST_ID = REQUEST_ID_HEADER.decode()
 

@@ -11,16 +11,14 @@ vLLM is imported by vLLM, not here: the package imports without it.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from .config import EPDConfig
+from .logs import adopt_vllm_logging, logger
 from .middleware import EPDMiddleware
 
 __all__ = ["EPDPlugin", "check_server", "plugin"]
-
-logger = logging.getLogger("epd_middleware")
 
 
 class EPDPlugin:
@@ -35,6 +33,7 @@ class EPDPlugin:
     def attach_router(self, app: Any) -> None:
         # Read the environment here, not in __init__: vLLM logs and skips a plugin whose factory raises,
         # while an error here stops the server at start-up with the message.
+        adopt_vllm_logging()
         config = EPDConfig.from_env()
         if "EPD_API_KEYS" not in os.environ:
             # from_env falls back to VLLM_API_KEY for --middleware loading, which runs outside vLLM's key

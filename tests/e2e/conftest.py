@@ -27,7 +27,7 @@ class Deployment:
     single: lab.VLLMServer
     encoders: list[lab.VLLMServer]
     pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
-    pd_flag: lab.VLLMServer  # middleware through --middleware
+    pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"
     control: lab.VLLMServer  # plain ec_consumer, no middleware: the negative control may kill it
     report: list[dict[str, Any]] = field(default_factory=list)
 
@@ -68,7 +68,16 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         pd=lab.pd_server(
             python, model, logs, storage, urls, via="plugin", extra_env={"VLLM_API_KEY": API_KEY}
         ),
-        pd_flag=lab.pd_server(python, model, logs, storage, urls[:1], via="middleware", name="pd-flag"),
+        pd_flag=lab.pd_server(
+            python,
+            model,
+            logs,
+            storage,
+            urls,
+            via="middleware",
+            name="pd-flag",
+            extra_env={"EPD_ON_ENCODER_FAILURE": "local", "EPD_HEALTH_CHECK_INTERVAL": "1"},
+        ),
         control=lab.pd_server(python, model, logs, storage, urls, via="none", name="pd-control"),
     )
     lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))

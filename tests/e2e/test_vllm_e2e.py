@@ -180,12 +180,20 @@ def test_the_same_image_in_two_requests_reuses_the_cache(deployment: Deployment)
     assert deployment.stored_hashes() == stored, "the second request must use the same cache key"
 
 
+FALLBACK_LOG = "left to the local engine"
+
+
 def test_middleware_flag_loading_equals_the_single_instance(deployment: Deployment) -> None:
-    body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS, images=[image(shift=110)])
+    url = image(shift=110)
+    before = deployment.stored_hashes()
+    body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS, images=[url])
     baseline = chat(deployment.single, body)
     response = chat(deployment.pd_flag, body)
     record("E + PD (--middleware), non-default", response, baseline)
     assert_same(response, baseline)
+    # Encoded remotely, not by the local fallback this PD allows.
+    assert FALLBACK_LOG not in deployment.pd_flag.log_path.read_text(errors="replace")
+    assert len(deployment.stored_hashes() - before) == 1
 
 
 def test_unauthenticated_request_does_no_encoder_work(deployment: Deployment) -> None:
@@ -198,6 +206,8 @@ def test_unauthenticated_request_does_no_encoder_work(deployment: Deployment) ->
 def test_plugin_loaded_inside_vllm(deployment: Deployment) -> None:
     log = deployment.pd.log_path.read_text(errors="replace")
     assert "Loaded endpoint plugin epd" in log
+    # The middleware read the connector's storage from the server's own configuration.
+    assert f"checking embeddings under {deployment.storage}" in log
 
 
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
@@ -228,3 +238,29 @@ def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) 
         return
     record("negative control (options dropped)", response)
     assert response.status_code != 200
+
+
+def test_zz_stopping_one_encoder_mid_run_loses_no_request(deployment: Deployment) -> None:
+    """Two encoders, one stopped half-way: every request still answered, equal to the single instance."""
+    urls = [image(shift=200 + 10 * i) for i in range(8)]
+    for index, url in enumerate(urls):
+        if index == 3:
+            deployment.encoders[1].stop()
+        body = seed_request(MODEL, images=[url])
+        baseline = chat(deployment.single, body)
+        response = chat(deployment.pd, body, AUTH)
+        record(f"E + PD, encoder-1 stopped after 3, request {index}", response, baseline)
+        assert_same(response, baseline)
+
+
+def test_zz_stopping_every_encoder_falls_back_to_local_encoding(deployment: Deployment) -> None:
+    """Both encoders down, on_encoder_failure='local': PD encodes itself and still equals the single instance."""
+    deployment.encoders[0].stop()
+    deployment.encoders[1].stop()
+    for shift, options in ((300, None), (310, NON_DEFAULT_OPTIONS), (300, None)):
+        body = seed_request(MODEL, images=[image(shift=shift)], options=options)
+        baseline = chat(deployment.single, body)
+        response = chat(deployment.pd_flag, body)
+        record(f"E down, PD local fallback, {'non-default' if options else 'default'}", response, baseline)
+        assert_same(response, baseline)
+    assert FALLBACK_LOG in deployment.pd_flag.log_path.read_text(errors="replace")

@@ -1,0 +1,121 @@
+"""A fake vLLM encoder on a real loopback socket, in its own process, that can misbehave at the socket
+level: refuse connections, answer 500, hang, answer garbage, or drop the connection mid-response.
+
+    python -m tests.load.fake_encoder_server PORT [--faults PHASE_SECONDS]
+
+With --faults it cycles through every fault in turn, PHASE_SECONDS each, and never answers correctly.
+Only the standard library, so the misbehaviour is exactly what is written here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+import time
+
+FAULTS = ("refuse", "500", "hang", "garbage", "drop")
+
+
+def derived_hash(model: str, uuid: str, body: dict) -> str:
+    factors = {k: body[k] for k in ("mm_processor_kwargs", "media_io_kwargs") if body.get(k)}
+    if not factors:
+        return uuid
+    return hashlib.sha256(
+        json.dumps({"m": model, "u": uuid, **factors}, sort_keys=True).encode()
+    ).hexdigest()[:40]
+
+
+def reply(body: dict) -> bytes:
+    entries = {}
+    for index, part in enumerate(body["messages"][0]["content"]):
+        entries[derived_hash(body["model"], part["uuid"], body)] = {
+            "item_indices": [index],
+            "metadata": {"image_grid_thw": [1, 26, 36]},
+        }
+    return json.dumps({"id": "enc", "choices": [], "ec_transfer_params": entries}).encode()
+
+
+def response(status: int, payload: bytes) -> bytes:
+    reason = {200: "OK", 500: "Internal Server Error"}[status]
+    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+    return head.encode() + payload
+
+
+class Encoder:
+    def __init__(self, port: int, phase: float | None) -> None:
+        self.port = port
+        self.phase = phase
+        self.started = time.monotonic()
+        self.server: asyncio.base_events.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    def mode(self) -> str:
+        if self.phase is None:
+            return "ok"
+        return FAULTS[int((time.monotonic() - self.started) / self.phase) % len(FAULTS)]
+
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.add(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                length = 0
+                for line in lines[1:]:
+                    if line.lower().startswith("content-length:"):
+                        length = int(line.split(":", 1)[1])
+                body = await reader.readexactly(length) if length else b""
+                if path == "/health":
+                    writer.write(response(200, b"") if self.mode() == "ok" else response(500, b"{}"))
+                    await writer.drain()
+                    continue
+                mode = self.mode()
+                if mode == "ok":
+                    writer.write(response(200, reply(json.loads(body))))
+                elif mode == "500":
+                    writer.write(response(500, b'{"error": {"message": "boom", "code": 500}}'))
+                elif mode == "hang":
+                    await asyncio.sleep(3600)
+                elif mode == "garbage":
+                    writer.write(response(200, b"\x00\xffnot json at all"))
+                elif mode in ("drop", "refuse"):
+                    full = response(200, reply(json.loads(body)))
+                    writer.write(full[: len(full) // 2])
+                    await writer.drain()
+                    writer.transport.abort()
+                    return
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            self.writers.discard(writer)
+            writer.close()
+
+    async def run(self) -> None:
+        listening = True
+        self.server = await asyncio.start_server(
+            self.serve_connection, "127.0.0.1", self.port, reuse_address=True
+        )
+        print("ready", flush=True)
+        while True:
+            await asyncio.sleep(0.02)
+            refusing = self.mode() == "refuse"
+            if refusing and listening:
+                self.server.close()
+                for writer in list(self.writers):
+                    writer.transport.abort()
+                listening = False
+            elif not refusing and not listening:
+                self.server = await asyncio.start_server(
+                    self.serve_connection, "127.0.0.1", self.port, reuse_address=True
+                )
+                listening = True
+
+
+if __name__ == "__main__":
+    port = int(sys.argv[1])
+    phase = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[2] == "--faults" else None
+    asyncio.run(Encoder(port, phase).run())
