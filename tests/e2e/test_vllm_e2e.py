@@ -254,7 +254,7 @@ def test_zz_stopping_one_encoder_mid_run_loses_no_request(deployment: Deployment
 
 
 def test_zz_stopping_every_encoder_falls_back_to_local_encoding(deployment: Deployment) -> None:
-    """Both encoders down, on_encoder_failure='local': PD encodes itself and still equals the single instance."""
+    """Both encoders down, on_encoder_failure='local': PD encodes itself, equal to the single instance."""
     deployment.encoders[0].stop()
     deployment.encoders[1].stop()
     for shift, options in ((300, None), (310, NON_DEFAULT_OPTIONS), (300, None)):

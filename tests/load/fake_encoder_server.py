@@ -39,7 +39,10 @@ def reply(body: dict) -> bytes:
 
 def response(status: int, payload: bytes) -> bytes:
     reason = {200: "OK", 500: "Internal Server Error"}[status]
-    head = f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    )
     return head.encode() + payload
 
 
@@ -62,7 +65,7 @@ class Encoder:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
+                _, path, _ = lines[0].split(" ", 2)
                 length = 0
                 for line in lines[1:]:
                     if line.lower().startswith("content-length:"):

@@ -5,6 +5,7 @@ generator. Used by tests/test_load.py and benchmarks/fault_injection.py."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import gc
 import json
 import os
@@ -224,10 +225,8 @@ def middleware_tasks() -> int:
 def open_sockets() -> int:
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # an fd closed while listing
             count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:
-            pass
     return count
 
 
