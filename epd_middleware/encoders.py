@@ -283,6 +283,11 @@ class EncoderPool:
             raise EncoderTimeout(encoder, f"no answer within {timeout:g} s") from None
         except httpx.TransportError as exc:
             raise EncoderUnavailable(encoder, _transport_reason(exc)) from None
+        except Exception as exc:
+            # A bug in a custom transport or in httpx must cost this call, not the server: the client
+            # gets a clear error (or a failover), the log gets the traceback.
+            logger.exception("unexpected error calling encoder %s", encoder)
+            raise EncoderUnavailable(encoder, f"unexpected {type(exc).__name__}") from None
         status = response.status_code
         if status != 200:
             detail = _error_detail(response.content)

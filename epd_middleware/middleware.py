@@ -231,6 +231,9 @@ class _Exchange:
                 middleware._pipeline.counters[f"error_{exc.status}"] += 1
                 await self._send_error(exc)
                 return
+            if new_body is None:
+                await middleware.app(self.scope, _replay(body, self.receive), self.send)
+                return
             scope = dict(self.scope)
             scope["headers"] = _engine_headers(
                 self.scope["headers"], len(new_body), request_id if generated else None
@@ -286,12 +289,12 @@ class _Exchange:
                 return str(value.decode("latin-1"))
         return None
 
-    async def _prepare(self, request: ChatRequest, request_id: str) -> bytes:
+    async def _prepare(self, request: ChatRequest, request_id: str) -> bytes | None:
         """Run the pipeline while listening for the client going away, which cancels the encoder calls."""
         middleware = self.middleware
         client = middleware._clients.open()
         storage = middleware._server.storage(self.scope)
-        result = b""
+        result: bytes | None = None
         failure: EPDError | None = None
         disconnected = False
 

@@ -54,8 +54,9 @@ class Pipeline:
         *,
         storage: str | None = None,
         authorization: str | None = None,
-    ) -> bytes:
-        """The body the local engine should see, with the handles of the encoded media.
+    ) -> bytes | None:
+        """The body the local engine should see, with the handles of the encoded media; None when the
+        original body should go to the engine unchanged after all (it cannot be serialised again).
 
         Raises an :class:`~epd_middleware.errors.EPDError` when the request must be answered with an
         error instead (limits, overload, encoders failing under the 'error' policy).
@@ -71,6 +72,9 @@ class Pipeline:
         pool.pending += 1
         try:
             return await self._encode_and_rewrite(request, client, request_id, storage, authorization)
+        except chat.Unusable:
+            self.counters["passed_through"] += 1
+            return None
         finally:
             pool.pending -= 1
 

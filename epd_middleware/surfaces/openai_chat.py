@@ -14,7 +14,16 @@ import msgspec
 
 from epd_middleware import protocol as p
 
-__all__ = ["ChatRequest", "MediaPart", "may_hold_media", "parse", "rewritten_body"]
+__all__ = [
+    "ChatRequest",
+    "MediaPart",
+    "Unusable",
+    "encoder_body",
+    "encoder_part",
+    "may_hold_media",
+    "parse",
+    "rewritten_body",
+]
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -60,8 +69,16 @@ class ChatRequest:
         return {name: self.fields[name] for name in p.FORWARDED_OPTIONS if name in self.fields}
 
 
-class _Unusable(Exception):
+class Unusable(Exception):
     """The body's shape is off where the middleware must look: hand it to vLLM unchanged."""
+
+
+def _encode_or_unusable(value: Any) -> bytes:
+    try:
+        return _encode(value)
+    except (RecursionError, msgspec.EncodeError, OverflowError) as exc:
+        # Decodable but too deep to encode again at this stack depth: vLLM judges it as sent.
+        raise Unusable from exc
 
 
 def parse(body: bytes) -> ChatRequest | None:
@@ -74,22 +91,22 @@ def parse(body: bytes) -> ChatRequest | None:
         return None
     try:
         return _find_media(fields)
-    except _Unusable:
+    except Unusable:
         return None
 
 
 def _find_media(fields: dict[str, Any]) -> ChatRequest:
     messages = fields.get(p.MESSAGES)
     if not isinstance(messages, list):
-        raise _Unusable
+        raise Unusable
     ec_params = fields.get(p.EC_TRANSFER_PARAMS)
     if ec_params is not None and not isinstance(ec_params, dict):
-        raise _Unusable
+        raise Unusable
     media: list[MediaPart] = []
     referenced: set[str] = set()
     for message_index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _Unusable
+            raise Unusable
         content = message.get(p.CONTENT)
         if not isinstance(content, list):
             continue
@@ -105,7 +122,7 @@ def _find_media(fields: dict[str, Any]) -> ChatRequest:
                 continue
             client_uuid = part.get(p.UUID)
             if client_uuid is not None and not isinstance(client_uuid, str):
-                raise _Unusable
+                raise Unusable
             media.append(MediaPart(message_index, part_index, modality, part, media_content, client_uuid))
     return ChatRequest(fields, tuple(media), frozenset(referenced))
 
@@ -114,7 +131,7 @@ def _part_kind(part: Mapping[str, Any]) -> str | None:
     """The kind vLLM gives a part: its ``type``, or with a uuid or no type, the first media key it holds."""
     part_type = part.get(p.TYPE)
     if part_type is not None and not isinstance(part_type, str):
-        raise _Unusable
+        raise Unusable
     if part_type is not None and part.get(p.UUID) is None:
         return part_type
     for key in p.PART_KEY_ORDER:
@@ -134,19 +151,19 @@ def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str, ...] | None] | N
         return modality, None
     if kind == "input_audio":
         if not isinstance(holder, dict):
-            raise _Unusable
+            raise Unusable
         data, fmt = holder.get(inner_key), holder.get("format")
         if data is None:
             return modality, None
         if not isinstance(data, str) or not isinstance(fmt, (str, type(None))):
-            raise _Unusable
+            raise Unusable
         return modality, (data, fmt or "")
     # vLLM takes ``{"url": ...}``, and a bare string when the part has a uuid or no type.
     url = holder.get(inner_key) if isinstance(holder, dict) else holder
     if url is None:
         return modality, None
     if not isinstance(url, str):
-        raise _Unusable
+        raise Unusable
     return modality, (url,)
 
 
@@ -165,7 +182,7 @@ def encoder_body(request: ChatRequest, parts: Sequence[Mapping[str, Any]]) -> by
         "max_tokens": 1,
     }
     body.update(request.forwarded_options())
-    return _encode(body)
+    return _encode_or_unusable(body)
 
 
 def rewritten_body(
@@ -198,4 +215,4 @@ def rewritten_body(
     fields[p.MESSAGES] = messages
     if ec_transfer_params:
         fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
-    return _encode(fields)
+    return _encode_or_unusable(fields)
