@@ -210,7 +210,7 @@ class FakeEngine:
                 )
             try:
                 payload = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return JSONResponse({"error": {"message": "invalid JSON", "code": 400}}, status_code=400)
             if isinstance(payload, dict) and payload.get("stream"):
 
