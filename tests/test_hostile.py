@@ -138,7 +138,7 @@ def encoder_handler(calls: list[bytes]) -> httpx.MockTransport:
 
 
 async def drive(raw: bytes, **options: Any) -> tuple[int, list[bytes], list[bytes]]:
-    """One request through the middleware with a scripted ASGI receive; (status, encoder calls, engine bodies)."""
+    """One request through the middleware scripted: (status, encoder calls, engine bodies)."""
     calls: list[bytes] = []
     engine = FakeEngine()
     middleware = EPDMiddleware(
@@ -247,7 +247,7 @@ async def test_conflicting_uuids_never_share_an_embedding() -> None:
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,BBBB"}, "uuid": "x"},
     ]
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
-    status, calls, [seen] = await drive(raw)
+    status, _calls, [seen] = await drive(raw)
     assert status == 200
     parts_ = json.loads(seen)["messages"][0]["content"]
     assert parts_[0]["uuid"] != parts_[1]["uuid"]
@@ -262,7 +262,8 @@ async def test_client_ec_transfer_params_of_any_object_shape_are_kept(params: An
         {"model": "m", "messages": [{"role": "user", "content": content}], "ec_transfer_params": params}
     ).encode()
     status, calls, [seen] = await drive(raw)
-    assert status == 200 and len(calls) == 1
+    assert status == 200
+    assert len(calls) == 1
     merged = json.loads(seen)["ec_transfer_params"]
     for key, value in (params or {}).items():
         assert merged[key] == value
