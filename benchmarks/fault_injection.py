@@ -62,7 +62,10 @@ def main() -> None:
     results = {}
     for backend in ("asyncio", "trio"):
         results[backend] = anyio.run(scenarios, backend, args.requests, args.concurrency, backend=backend)
-    header = f"{'backend':8} {'scenario':48} {'sent':>5} {'correct':>7} {'fallbk':>6} {'errors':>14} {'p50 ms':>8} {'p99 ms':>8} {'rps':>6}  leaks"
+    header = (
+        f"{'backend':8} {'scenario':48} {'sent':>5} {'correct':>7} {'fallbk':>6} {'errors':>14} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'rps':>6}  leaks"
+    )
     print(header)
     for backend, per_backend in results.items():
         for name, scenario in per_backend.items():
@@ -71,10 +74,11 @@ def main() -> None:
                 leaks = scenario["leaks"]  # type: ignore[index]
                 print(
                     f"{backend:8} {label:48} {round_['sent']:>5} {round_['answered_correctly']:>7} "
-                    f"{round_['fallback']:>6} {json.dumps(round_['errors_by_status']):>14} {round_['p50_ms']:>8} "
-                    f"{round_['p99_ms']:>8} {round_['throughput_rps']:>6}  "
+                    f"{round_['fallback']:>6} {json.dumps(round_['errors_by_status']):>14} "
+                    f"{round_['p50_ms']:>8} {round_['p99_ms']:>8} {round_['throughput_rps']:>6}  "
                     f"tasks {leaks['tasks_left_after_load']}/{leaks['tasks_left_after_shutdown']}, "
-                    f"sockets {leaks['sockets_left_after_shutdown']}, rss +{leaks['rss_growth_mb_after_first_round']} MB"
+                    f"sockets {leaks['sockets_left_after_shutdown']}, "
+                    f"rss +{leaks['rss_growth_mb_after_first_round']} MB"
                 )
     if args.json:
         with open(args.json, "w") as out:

@@ -10,6 +10,7 @@ failed call means for the request.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from .errors import (
 )
 from .handles import Handle, ItemKey, match_reply
 from .logs import logger
+from .metrics import Stats
 from .plan import EncoderCall
 from .protocol import EC_TRANSFER_PARAMS
 
@@ -64,6 +66,7 @@ class EncoderPool:
     """The encoders, their health and their limits. One per middleware (so one per API-server process)."""
 
     config: EPDConfig
+    stats: Stats = field(default_factory=Stats)
     _health: dict[str, _Health] = field(init=False)
     _limiters: dict[str, anyio.CapacityLimiter] = field(init=False, default_factory=dict)
     _next: int = field(init=False, default=0)
@@ -71,6 +74,8 @@ class EncoderPool:
 
     def __post_init__(self) -> None:
         self._health = {url: _Health() for url in self.config.encoders}
+        for url in self.config.encoders:
+            self.stats.encoder_health(url, True)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -105,6 +110,7 @@ class EncoderPool:
         health = self._health[url]
         if health.ejected_until:
             logger.info("encoder %s is back", url)
+            self.stats.encoder_health(url, True)
         health.failures = 0
         health.ejected_until = 0.0
         health.cooldown = 0.0
@@ -116,6 +122,7 @@ class EncoderPool:
             config = self.config
             health.cooldown = min(health.cooldown * 2 or config.eject_cooldown, config.max_eject_cooldown)
             health.ejected_until = now + health.cooldown
+            self.stats.encoder_health(url, False)
             logger.warning(
                 "encoder %s ejected for %.1f s after %d failures in a row (last: %s)",
                 url,
@@ -237,21 +244,26 @@ class EncoderPool:
         last: EncoderError | None = None
         while encoder is not None and len(tried) < self.config.max_attempts:
             tried.append(encoder)
+            started = time.perf_counter()
             try:
                 handles = await self._call_once(client, encoder, call, body, headers)
                 if storage is not None:
                     _check_stored(encoder, handles, storage)
             except EncoderError as exc:
+                self.stats.encoder_call(encoder, exc.outcome, time.perf_counter() - started)
                 if not exc.retryable:
                     raise
                 last = exc
                 now = anyio.current_time()
                 self.record_failure(encoder, now, exc.reason)
-                encoder = self.failover_target(tried, now)
+                failed, encoder = encoder, self.failover_target(tried, now)
+                if encoder is not None:
+                    self.stats.failover(failed)
                 logger.warning(
                     "%s%s", exc.message, f"; retrying on {encoder}" if encoder else "; no encoder left to try"
                 )
                 continue
+            self.stats.encoder_call(encoder, "ok", time.perf_counter() - started)
             self.record_success(encoder)
             return handles
         assert last is not None
@@ -271,6 +283,7 @@ class EncoderPool:
             with anyio.fail_after(timeout):
                 async with self._limiter(encoder):
                     health.in_flight += 1
+                    self.stats.in_flight(encoder, 1)
                     try:
                         response = await client.post(
                             f"{encoder}/v1/chat/completions",
@@ -279,6 +292,7 @@ class EncoderPool:
                         )
                     finally:
                         health.in_flight -= 1
+                        self.stats.in_flight(encoder, -1)
         except (TimeoutError, httpx.TimeoutException):
             raise EncoderTimeout(encoder, f"no answer within {timeout:g} s") from None
         except httpx.TransportError as exc:

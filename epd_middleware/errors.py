@@ -114,6 +114,7 @@ class EncoderError(EPDError):
 
     status = 502
     retryable = True  # another encoder may succeed where this one failed
+    outcome = "failed"  # the outcome label of the call in metrics
 
     def __init__(self, encoder: str, reason: str) -> None:
         super().__init__(f"encoder {encoder} failed: {reason}")
@@ -124,13 +125,18 @@ class EncoderError(EPDError):
 class EncoderUnavailable(EncoderError):
     """The encoder could not be reached (connection refused, reset, DNS)."""
 
+    outcome = "unavailable"
+
 
 class EncoderTimeout(EncoderError):
     status = 504
+    outcome = "timeout"
 
 
 class EncoderStatusError(EncoderError):
     """The encoder answered 5xx or a status about itself (401, 403, 408, 429)."""
+
+    outcome = "status"
 
     def __init__(self, encoder: str, status_code: int, detail: str = "") -> None:
         super().__init__(encoder, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}")
@@ -142,6 +148,7 @@ class EncoderRejected(EncoderError):
     so the client gets the encoder's status and message."""
 
     retryable = False
+    outcome = "rejected"
 
     def __init__(self, encoder: str, status_code: int, detail: str) -> None:
         super().__init__(encoder, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}")
@@ -151,3 +158,5 @@ class EncoderRejected(EncoderError):
 
 class EncoderBadReply(EncoderError):
     """The encoder answered 200 with a body the middleware cannot use, or an embedding that is missing."""
+
+    outcome = "bad_reply"

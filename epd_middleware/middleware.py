@@ -217,7 +217,7 @@ class _Exchange:
             return
         request = middleware._pipeline.parse(body)
         if request is None:
-            middleware._pipeline.counters["passed_through"] += 1
+            middleware._pipeline.stats.request("passed_through")
             await middleware.app(self.scope, _replay(body, self.receive), self.send)
             return
         request_id, generated = self._request_id()
@@ -228,7 +228,7 @@ class _Exchange:
             except _Disconnected:
                 return
             except EPDError as exc:
-                middleware._pipeline.counters[f"error_{exc.status}"] += 1
+                middleware._pipeline.stats.request(f"error_{exc.status}")
                 await self._send_error(exc)
                 return
             if new_body is None:
@@ -242,7 +242,7 @@ class _Exchange:
             await middleware.app(scope, _replay(new_body, self.receive), guard.send)
             if not guard.withheld:
                 return
-            middleware._pipeline.counters["engine_retries"] += 1
+            middleware._pipeline.stats.engine_retry()
             logger.warning(
                 "request %s: the local engine answered 500 before any byte reached the client; "
                 "encoding and running it again (%d of %d)",

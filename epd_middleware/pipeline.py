@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ from .encoders import EncoderPool
 from .errors import NoHealthyEncoder, Overloaded, TooManyMediaItems
 from .handles import part_metadata, transfer_params
 from .logs import logger
+from .metrics import Stats
 from .plan import media_items, plan_calls
 from .protocol import REQUEST_ID_HEADER
 from .surfaces import openai_chat as chat
@@ -25,14 +27,18 @@ _REQUEST_ID = REQUEST_ID_HEADER.decode()
 
 @dataclass
 class Pipeline:
-    """Everything a request needs that outlives it: configuration, the encoder pool, counters."""
+    """Everything a request needs that outlives it: configuration, the encoder pool, statistics."""
 
     config: EPDConfig
+    stats: Stats = field(default_factory=Stats)
     pool: EncoderPool = field(init=False)
-    counters: Counter[str] = field(init=False, default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.pool = EncoderPool(self.config)
+        self.pool = EncoderPool(self.config, self.stats)
+
+    @property
+    def counters(self) -> Counter[str]:
+        return self.stats.counters
 
     def parse(self, body: bytes) -> chat.ChatRequest | None:
         """The request's media parts, or None when the body passes to the engine unchanged.
@@ -41,9 +47,11 @@ class Pipeline:
         """
         if not chat.may_hold_media(body):
             return None
+        started = time.perf_counter()
         request = chat.parse(body)
         if request is None or not request.media:
             return None
+        self.stats.stage("parse", time.perf_counter() - started)
         return request
 
     async def prepare(
@@ -65,7 +73,6 @@ class Pipeline:
         if len(request.media) > config.max_media_items:
             raise TooManyMediaItems(len(request.media), config.max_media_items)
         if pool.pending >= config.max_pending_requests:
-            self.counters["rejected_overloaded"] += 1
             raise Overloaded(
                 f"{pool.pending} requests are already waiting for encoders; retry later", config.retry_after
             )
@@ -73,7 +80,7 @@ class Pipeline:
         try:
             return await self._encode_and_rewrite(request, client, request_id, storage, authorization)
         except chat.Unusable:
-            self.counters["passed_through"] += 1
+            self.stats.request("passed_through")
             return None
         finally:
             pool.pending -= 1
@@ -96,7 +103,6 @@ class Pipeline:
         local = config.on_encoder_failure == "local"
         encoders = pool.available(anyio.current_time())
         if not encoders and not local:
-            self.counters["error_no_encoder"] += 1
             raise NoHealthyEncoder("every encoder is failing its calls; retry later", config.retry_after)
         calls = (
             plan_calls(items, encoders, pool.reserve(len(items), len(encoders)), config.max_batch_size)
@@ -114,6 +120,7 @@ class Pipeline:
                 call_headers["authorization"] = auth
             headers.append(call_headers)
 
+        started = time.perf_counter()
         outcome = await pool.encode(
             client,
             calls,
@@ -122,12 +129,14 @@ class Pipeline:
             storage=storage,
             stop_at_first_failure=not local,
         )
+        encoded = time.perf_counter()
+        self.stats.stage("encode", encoded - started)
+        fallen = 0
         if outcome.failed or not calls:
             # Only under the 'local' policy: those items go to the engine as the media the client sent.
             fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(items)
             reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
-            self.counters["fallback_items"] += fallen
-            self.counters["fallback_requests"] += 1
+            self.stats.fallback(fallen)
             logger.warning(
                 "request %s: %d media item(s) left to the local engine: %s", request_id, fallen, reason
             )
@@ -136,5 +145,19 @@ class Pipeline:
         metadata = part_metadata(
             keys, outcome.handles, rewrite=config.rewrite, keep_raw=request.referenced_modalities
         )
-        self.counters["encoded_requests"] += 1
-        return chat.rewritten_body(request, uuids, metadata, transfer_params(outcome.handles))
+        body = chat.rewritten_body(request, uuids, metadata, transfer_params(outcome.handles))
+        rewritten = time.perf_counter()
+        self.stats.stage("rewrite", rewritten - encoded)
+        if not fallen:
+            self.stats.encoded(len(items), len(calls))
+        logger.info(
+            "request %s: %d media item(s), %d encoder call(s) to %s; encode %.1f ms, rewrite %.2f ms%s",
+            request_id,
+            len(items),
+            len(calls),
+            ", ".join(sorted({call.encoder for call in calls})) or "none",
+            (encoded - started) * 1000,
+            (rewritten - encoded) * 1000,
+            f"; {fallen} left to the local engine" if fallen else "",
+        )
+        return body

@@ -42,7 +42,7 @@ async def test_one_encoder_failing_every_way_loses_no_request(anyio_backend: str
         assert leaks["tasks_left_after_load"] == 0
         assert leaks["tasks_left_after_shutdown"] <= 0
         assert leaks["sockets_left_after_shutdown"] <= 0
-    assert faults["counters"].get("fallback_requests", 0) == 0
+    assert faults["counters"].get("fallback", 0) == 0
     # The faulty encoder was really in the rotation, and really failing.
     assert (
         faults["encoder_health"][faulty]["consecutive_failures"] > 0

@@ -170,7 +170,7 @@ async def test_all_encoders_failing_with_local_fallback_sends_the_original_media
         ]
         assert "ec_transfer_params" not in record.json
     counters = _middleware(middleware).pipeline.counters
-    assert counters["fallback_requests"] == 5
+    assert counters["fallback"] == 5
     assert counters["fallback_items"] == 10
 
 

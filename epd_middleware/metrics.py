@@ -1,0 +1,138 @@
+"""What the middleware counts and measures: in-process counters (for the status endpoint) and Prometheus
+metrics, registered in ``prometheus_client``'s default registry so they appear in vLLM's own ``/metrics``.
+
+``prometheus_client`` is in every vLLM install; without it the Prometheus side is a no-op. With several
+API-server processes vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before the app is built
+(``vllm/v1/metrics/prometheus.py``) and serves ``/metrics`` from a ``MultiProcessCollector``:
+``prometheus_client`` then writes these metrics to per-process files too, counters and histograms are
+summed over processes, the in-flight gauge is summed over live processes, and the health gauge takes the
+minimum (an encoder one process has ejected shows as unhealthy).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+__all__ = ["Stats"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _Prometheus:
+    """The metric objects, created once per process (prometheus_client refuses duplicate names)."""
+
+    def __init__(self, prom: Any) -> None:
+        self.encoder_call_seconds = prom.Histogram(
+            "epd_encoder_call_duration_seconds",
+            "Duration of one encoder call, by encoder and outcome.",
+            ["encoder", "outcome"],
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.stage_seconds = prom.Histogram(
+            "epd_stage_duration_seconds",
+            "Time spent per intercepted request in each middleware stage (parse, encode, rewrite).",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.request_media_items = prom.Histogram(
+            "epd_request_media_items", "Media items per encoded request.", buckets=_COUNT_BUCKETS
+        )
+        self.request_encoder_calls = prom.Histogram(
+            "epd_request_encoder_calls", "Encoder calls per encoded request.", buckets=_COUNT_BUCKETS
+        )
+        self.requests = prom.Counter(
+            "epd_requests",
+            "Intercepted requests by outcome (encoded, passed_through, fallback, error_*).",
+            ["outcome"],
+        )
+        self.failovers = prom.Counter(
+            "epd_encoder_failovers",
+            "Encoder calls retried on another encoder, by the encoder that failed.",
+            ["encoder"],
+        )
+        self.fallback_items = prom.Counter(
+            "epd_fallback_items", "Media items left to the local engine to encode."
+        )
+        self.engine_retries = prom.Counter(
+            "epd_engine_retries",
+            "Requests run again after the local engine answered 500 before the first byte.",
+        )
+        self.encoder_healthy = prom.Gauge(
+            "epd_encoder_healthy",
+            "1 when the encoder takes traffic, 0 while ejected.",
+            ["encoder"],
+            multiprocess_mode="livemin",
+        )
+        self.encoder_in_flight = prom.Gauge(
+            "epd_encoder_in_flight", "Encoder calls in flight.", ["encoder"], multiprocess_mode="livesum"
+        )
+
+
+_prometheus: _Prometheus | None = None
+_loaded = False
+
+
+def _metrics() -> _Prometheus | None:
+    global _prometheus, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            import prometheus_client
+        except ImportError:
+            return None
+        _prometheus = _Prometheus(prometheus_client)
+    return _prometheus
+
+
+class Stats:
+    """One middleware's counters, mirrored into Prometheus when it is installed."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self._prom = _metrics()
+
+    def request(self, outcome: str) -> None:
+        self.counters[outcome] += 1
+        if self._prom is not None:
+            self._prom.requests.labels(outcome).inc()
+
+    def stage(self, stage: str, seconds: float) -> None:
+        if self._prom is not None:
+            self._prom.stage_seconds.labels(stage).observe(seconds)
+
+    def encoded(self, items: int, calls: int) -> None:
+        self.request("encoded")
+        if self._prom is not None:
+            self._prom.request_media_items.observe(items)
+            self._prom.request_encoder_calls.observe(calls)
+
+    def fallback(self, items: int) -> None:
+        self.counters["fallback_items"] += items
+        self.request("fallback")
+        if self._prom is not None:
+            self._prom.fallback_items.inc(items)
+
+    def engine_retry(self) -> None:
+        self.counters["engine_retries"] += 1
+        if self._prom is not None:
+            self._prom.engine_retries.inc()
+
+    def encoder_call(self, encoder: str, outcome: str, seconds: float) -> None:
+        self.counters[f"encoder_calls_{outcome}"] += 1
+        if self._prom is not None:
+            self._prom.encoder_call_seconds.labels(encoder, outcome).observe(seconds)
+
+    def failover(self, encoder: str) -> None:
+        self.counters["failovers"] += 1
+        if self._prom is not None:
+            self._prom.failovers.labels(encoder).inc()
+
+    def encoder_health(self, encoder: str, healthy: bool) -> None:
+        if self._prom is not None:
+            self._prom.encoder_healthy.labels(encoder).set(1 if healthy else 0)
+
+    def in_flight(self, encoder: str, delta: int) -> None:
+        if self._prom is not None:
+            self._prom.encoder_in_flight.labels(encoder).inc(delta)
