@@ -156,10 +156,20 @@ class EPDConfig(BaseModel):
         default=(),
         repr=False,
         description=(
-            "Bearer tokens accepted on intercepted requests, checked before any encoder work. From the "
-            "environment: EPD_API_KEYS, else VLLM_API_KEY. Empty: no check (the epd plugin runs inside "
-            "vLLM's own check)."
+            "Bearer tokens accepted on intercepted requests (checked before any encoder work) and on the "
+            "status endpoint. From the environment: EPD_API_KEYS, else VLLM_API_KEY. Empty: no check."
         ),
+    )
+    authenticate: bool = Field(
+        default=True,
+        description=(
+            "Check api_keys on intercepted requests before any encoder work. The epd plugin turns it off: "
+            "it runs inside vLLM's own key check."
+        ),
+    )
+    status_path: str = Field(
+        default="/epd/status",
+        description="JSON status endpoint path (GET); empty turns it off. Needs a key when keys exist.",
     )
     encoder_api_key: str | None = Field(
         default=None,
@@ -195,6 +205,13 @@ class EPDConfig(BaseModel):
             if not path.startswith("/"):
                 raise ValueError(f"path {path!r} must start with '/'")
         return paths
+
+    @field_validator("status_path")
+    @classmethod
+    def _check_status_path(cls, path: str) -> str:
+        if path and not path.startswith("/"):
+            raise ValueError(f"status_path {path!r} must start with '/' (or be empty to turn it off)")
+        return path
 
     @model_validator(mode="after")
     def _check_timeouts(self) -> EPDConfig:
@@ -272,5 +289,7 @@ class EPDOptions(TypedDict, total=False):
     check_embeddings: bool
     ec_storage_path: str | None
     api_keys: Sequence[str]
+    authenticate: bool
+    status_path: str
     encoder_api_key: str | None
     forward_authorization: bool

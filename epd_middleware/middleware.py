@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import anyio
 import httpx
+import msgspec
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
@@ -27,6 +28,7 @@ __all__ = ["EPDMiddleware"]
 
 
 _JSON = b"application/json"
+_encode = msgspec.json.Encoder().encode
 _UNRESOLVED = object()
 
 
@@ -62,7 +64,7 @@ class EPDMiddleware:
         self.app = app
         self.config = config
         self._paths = frozenset(config.paths)
-        self._api_keys = tuple(f"Bearer {key}".encode() for key in config.api_keys)
+        self._status_path = config.status_path
         self._pipeline = Pipeline(config)
         self._clients = _ClientHolder(http_client, config)
         self._server = _ServerFacts(config)
@@ -74,17 +76,15 @@ class EPDMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and self._intercepts(scope):
             await _Exchange(self, scope, receive, send).run()
+        elif scope["type"] == "http" and self._status_path and _route_path(scope) == self._status_path:
+            await self._status(scope, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
         else:
             await self.app(scope, receive, send)
 
     def _intercepts(self, scope: Scope) -> bool:
-        path: str = scope["path"]
-        root_path: str = scope.get("root_path", "")
-        if root_path and path.startswith(root_path):
-            path = path[len(root_path) :]
-        if path not in self._paths:
+        if _route_path(scope) not in self._paths:
             return False
         for name, value in scope["headers"]:
             if name == b"content-type":
@@ -92,12 +92,35 @@ class EPDMiddleware:
         return False
 
     def _authorized(self, scope: Scope) -> bool:
-        if not self._api_keys:
+        keys = self._server.api_keys(scope)
+        if not keys:
             return True
         for name, value in scope["headers"]:
             if name == b"authorization":
-                return any(hmac.compare_digest(value, key) for key in self._api_keys)
+                return any(hmac.compare_digest(value, key) for key in keys)
         return False
+
+    async def _status(self, scope: Scope, send: Send) -> None:
+        """GET the status page: encoders, their health and load, counters. Behind the API keys."""
+        if scope["method"] not in ("GET", "HEAD"):
+            await _send_json(
+                send, 405, {"error": {"message": "use GET", "type": "MethodNotAllowedError", "code": 405}}
+            )
+        elif not self._authorized(scope):
+            await _send_error(send, Unauthorized())
+        else:
+            pipeline, config = self._pipeline, self.config
+            await _send_json(
+                send,
+                200,
+                {
+                    "encoders": pipeline.pool.snapshot(anyio.current_time()),
+                    "pending_requests": pipeline.pool.pending,
+                    "counters": dict(pipeline.counters),
+                    "embedding_storage_checked": self._server.storage(scope),
+                    "config": config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
+                },
+            )
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Open the owned client and start health probes at start-up; stop and close at shutdown."""
@@ -168,11 +191,21 @@ class _ClientHolder:
 
 
 class _ServerFacts:
-    """What the middleware learns from the vLLM server it runs in, once: where embeddings are stored."""
+    """What the middleware learns from the vLLM server it runs in, once: where embeddings are stored,
+    and the API keys given on vLLM's command line (``--api-key``), which no environment variable shows."""
 
     def __init__(self, config: EPDConfig) -> None:
         self._config = config
         self._storage: object = config.ec_storage_path if config.ec_storage_path else _UNRESOLVED
+        self._keys: tuple[bytes, ...] | None = None
+
+    def api_keys(self, scope: Scope) -> tuple[bytes, ...]:
+        if self._keys is None:
+            args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+            cli_keys = getattr(args, "api_key", None) or []
+            keys = [*self._config.api_keys, *(key for key in cli_keys if isinstance(key, str) and key)]
+            self._keys = tuple(f"Bearer {key}".encode() for key in dict.fromkeys(keys))
+        return self._keys
 
     def storage(self, scope: Scope) -> str | None:
         if not self._config.check_embeddings:
@@ -205,7 +238,7 @@ class _Exchange:
 
     async def run(self) -> None:
         middleware = self.middleware
-        if not middleware._authorized(self.scope):
+        if middleware.config.authenticate and not middleware._authorized(self.scope):
             await self._send_error(Unauthorized())
             return
         try:
@@ -324,14 +357,7 @@ class _Exchange:
         return result
 
     async def _send_error(self, error: EPDError) -> None:
-        body = error.body()
-        headers = [
-            (b"content-type", _JSON),
-            (b"content-length", str(len(body)).encode()),
-            *error.headers(),
-        ]
-        await self.send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body})
+        await _send_error(self.send, error)
 
 
 class _EngineFailureGuard:
@@ -352,6 +378,28 @@ class _EngineFailureGuard:
             self.withheld = True
             return
         await self._send(message)
+
+
+def _route_path(scope: Scope) -> str:
+    path: str = scope["path"]
+    root_path: str = scope.get("root_path", "")
+    if root_path and path.startswith(root_path):
+        return path[len(root_path) :]
+    return path
+
+
+async def _send_error(send: Send, error: EPDError) -> None:
+    await _send_body(send, error.status, error.body(), error.headers())
+
+
+async def _send_json(send: Send, status: int, payload: object) -> None:
+    await _send_body(send, status, _encode(payload), [])
+
+
+async def _send_body(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
+    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

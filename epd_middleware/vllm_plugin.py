@@ -11,7 +11,6 @@ vLLM is imported by vLLM, not here: the package imports without it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .config import EPDConfig
@@ -34,11 +33,10 @@ class EPDPlugin:
         # Read the environment here, not in __init__: vLLM logs and skips a plugin whose factory raises,
         # while an error here stops the server at start-up with the message.
         adopt_vllm_logging()
-        config = EPDConfig.from_env()
-        if "EPD_API_KEYS" not in os.environ:
-            # from_env falls back to VLLM_API_KEY for --middleware loading, which runs outside vLLM's key
-            # check; added here, the middleware runs inside it, so checking again would only cost time.
-            config = config.model_copy(update={"api_keys": ()})
+        # Added here, the middleware runs inside vLLM's API-key check, which guards /v1/*: checking the
+        # key again on intercepted requests would only cost time. The status endpoint is outside /v1,
+        # so it still checks the keys itself.
+        config = EPDConfig.from_env().model_copy(update={"authenticate": False})
         self.config = config
         app.add_middleware(EPDMiddleware, config=config)
         logger.info(
