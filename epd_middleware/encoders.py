@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
 import msgspec
 
 from .config import EPDConfig
@@ -34,6 +33,7 @@ from .logs import logger
 from .metrics import Stats
 from .plan import EncoderCall
 from .protocol import EC_TRANSFER_PARAMS
+from .transport import HTTPError, Transport
 
 __all__ = ["EncodeOutcome", "EncoderPool"]
 
@@ -143,17 +143,19 @@ class EncoderPool:
             for url, health in self._health.items()
         }
 
-    async def probe(self, client: httpx.AsyncClient, headers: Mapping[str, str]) -> None:
+    async def probe(self, client: Transport, headers: Mapping[str, str]) -> None:
         """GET /health on every encoder once, concurrently; brings recovered encoders back."""
 
         async def one(url: str) -> None:
             try:
                 with anyio.fail_after(self.config.health_check_timeout):
-                    response = await client.get(f"{url}/health", headers=headers)
-                ok = response.status_code == 200
-                reason = f"health check HTTP {response.status_code}"
-            except (TimeoutError, httpx.HTTPError) as exc:
-                ok, reason = False, f"health check failed: {type(exc).__name__}"
+                    status, _ = await client.request("GET", f"{url}/health", headers=headers)
+                ok = status == 200
+                reason = f"health check HTTP {status}"
+            except TimeoutError:
+                ok, reason = False, "health check timed out"
+            except HTTPError as exc:
+                ok, reason = False, f"health check failed: {exc.reason}"
             if ok:
                 self.record_success(url)
             else:
@@ -163,7 +165,7 @@ class EncoderPool:
             for url in self.urls:
                 group.start_soon(one, url)
 
-    async def probe_forever(self, client: httpx.AsyncClient, headers: Mapping[str, str]) -> None:
+    async def probe_forever(self, client: Transport, headers: Mapping[str, str]) -> None:
         interval = self.config.health_check_interval
         if interval <= 0:
             return
@@ -182,7 +184,7 @@ class EncoderPool:
 
     async def encode(
         self,
-        client: httpx.AsyncClient,
+        client: Transport,
         calls: Sequence[EncoderCall],
         bodies: Sequence[bytes],
         headers: Sequence[Mapping[str, str]],
@@ -233,7 +235,7 @@ class EncoderPool:
 
     async def _call_with_failover(
         self,
-        client: httpx.AsyncClient,
+        client: Transport,
         call: EncoderCall,
         body: bytes,
         headers: Mapping[str, str],
@@ -271,7 +273,7 @@ class EncoderPool:
 
     async def _call_once(
         self,
-        client: httpx.AsyncClient,
+        client: Transport,
         encoder: str,
         call: EncoderCall,
         body: bytes,
@@ -285,26 +287,26 @@ class EncoderPool:
                     health.in_flight += 1
                     self.stats.in_flight(encoder, 1)
                     try:
-                        response = await client.post(
+                        status, content = await client.request(
+                            "POST",
                             f"{encoder}/v1/chat/completions",
-                            content=body,
-                            headers={"content-type": _JSON, **headers},
+                            body,
+                            {"content-type": _JSON, **headers},
                         )
                     finally:
                         health.in_flight -= 1
                         self.stats.in_flight(encoder, -1)
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             raise EncoderTimeout(encoder, f"no answer within {timeout:g} s") from None
-        except httpx.TransportError as exc:
-            raise EncoderUnavailable(encoder, _transport_reason(exc)) from None
+        except HTTPError as exc:
+            raise EncoderUnavailable(encoder, exc.reason) from None
         except Exception as exc:
-            # A bug in a custom transport or in httpx must cost this call, not the server: the client
-            # gets a clear error (or a failover), the log gets the traceback.
+            # A bug in a custom transport must cost this call, not the server: the client gets a clear
+            # error (or a failover), the log gets the traceback.
             logger.exception("unexpected error calling encoder %s", encoder)
             raise EncoderUnavailable(encoder, f"unexpected {type(exc).__name__}") from None
-        status = response.status_code
         if status != 200:
-            detail = _error_detail(response.content)
+            detail = _error_detail(content)
             if status >= 500 or status in RETRYABLE_STATUSES:
                 if status >= 500 and detail:
                     # Server errors may carry internals: the log gets them, the client does not.
@@ -314,7 +316,7 @@ class EncoderPool:
                 raise EncoderRejected(encoder, status, detail)
             raise EncoderStatusError(encoder, status)
         try:
-            reply = _decode_reply(response.content)
+            reply = _decode_reply(content)
         except msgspec.DecodeError:
             raise EncoderBadReply(encoder, "the answer is not JSON") from None
         if not isinstance(reply, dict):
@@ -334,16 +336,6 @@ def _check_stored(encoder: str, handles: Mapping[ItemKey, Handle], storage: str)
             raise EncoderBadReply(encoder, f"reported hash {mm_hash!r} is not a valid file name")
         if not os.path.exists(os.path.join(storage, mm_hash, _EXAMPLE_CONNECTOR_FILE)):
             raise EncoderBadReply(encoder, f"the embedding of {mm_hash!r} is not in the shared storage")
-
-
-def _transport_reason(exc: httpx.TransportError) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return "connection failed"
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return "connection closed before a complete answer"
-    if isinstance(exc, httpx.ReadError):
-        return "connection broken while reading the answer"
-    return type(exc).__name__
 
 
 def _error_detail(content: bytes) -> str:

@@ -23,6 +23,7 @@ from .logs import adopt_vllm_logging, logger
 from .pipeline import Pipeline
 from .protocol import REQUEST_ID_HEADER, example_connector_storage
 from .surfaces.openai_chat import ChatRequest
+from .transport import HTTPClient, HttpxTransport, Transport
 
 __all__ = ["EPDMiddleware"]
 
@@ -128,7 +129,7 @@ class EPDMiddleware:
 
         async with anyio.create_task_group() as group:
 
-            async def probe(client: httpx.AsyncClient) -> None:
+            async def probe(client: Transport) -> None:
                 with probes:
                     await self._pipeline.pool.probe_forever(client, self._clients.probe_headers())
 
@@ -153,31 +154,24 @@ class EPDMiddleware:
 
 
 class _ClientHolder:
-    """The HTTP client for encoder calls: the user's, never closed here, or one owned for the app's life.
+    """The transport for encoder calls: the user's ``httpx.AsyncClient`` (never closed here), or the
+    built-in HTTP/1.1 client, owned for the app's life.
 
     The owned client opens at lifespan startup and closes at shutdown; without a lifespan it opens on
     first use.
     """
 
     def __init__(self, injected: httpx.AsyncClient | None, config: EPDConfig) -> None:
-        self._injected = injected
+        self._injected = HttpxTransport(injected) if injected is not None else None
         self._config = config
-        self._owned: httpx.AsyncClient | None = None
+        self._owned: HTTPClient | None = None
 
-    def open(self) -> httpx.AsyncClient:
+    def open(self) -> Transport:
         if self._injected is not None:
             return self._injected
         if self._owned is None or self._owned.is_closed:
             config = self._config
-            self._owned = httpx.AsyncClient(
-                timeout=httpx.Timeout(
-                    config.encoder_timeout, connect=min(config.connect_timeout, config.encoder_timeout)
-                ),
-                limits=httpx.Limits(
-                    max_connections=config.max_inflight_per_encoder * len(config.encoders),
-                    max_keepalive_connections=config.max_inflight_per_encoder * len(config.encoders),
-                ),
-            )
+            self._owned = HTTPClient(connect_timeout=min(config.connect_timeout, config.encoder_timeout))
         return self._owned
 
     def probe_headers(self) -> dict[str, str]:

@@ -7,7 +7,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import anyio
-import httpx
 
 from .config import EPDConfig
 from .encoders import EncoderPool
@@ -18,6 +17,7 @@ from .metrics import Stats
 from .plan import media_items, plan_calls
 from .protocol import REQUEST_ID_HEADER
 from .surfaces import openai_chat as chat
+from .transport import Transport
 
 __all__ = ["Pipeline"]
 
@@ -57,7 +57,7 @@ class Pipeline:
     async def prepare(
         self,
         request: chat.ChatRequest,
-        client: httpx.AsyncClient,
+        client: Transport,
         request_id: str,
         *,
         storage: str | None = None,
@@ -88,7 +88,7 @@ class Pipeline:
     async def _encode_and_rewrite(
         self,
         request: chat.ChatRequest,
-        client: httpx.AsyncClient,
+        client: Transport,
         request_id: str,
         storage: str | None,
         authorization: str | None,

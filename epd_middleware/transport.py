@@ -1,0 +1,58 @@
+"""How encoder calls reach the network: the built-in HTTP/1.1 client (``_http.py``) by default, or the
+user's ``httpx.AsyncClient`` (their limits, auth, proxies; tests pass an ``httpx.MockTransport``).
+
+Both speak one small interface and raise the same errors, so the encoder layer does not care which.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import httpx
+
+from ._http import ConnectFailed, ConnectionLost, HTTPClient, HTTPError
+
+__all__ = ["ConnectFailed", "ConnectionLost", "HTTPClient", "HTTPError", "HttpxTransport", "Transport"]
+
+
+class Transport(Protocol):
+    """``request`` returns (status, body) or raises TimeoutError or :class:`HTTPError`."""
+
+    @property
+    def is_closed(self) -> bool: ...
+
+    async def request(
+        self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxTransport:
+    """An injected ``httpx.AsyncClient`` behind :class:`Transport`; never closed here."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    @property
+    def is_closed(self) -> bool:
+        return self.client.is_closed
+
+    async def request(
+        self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        try:
+            response = await self.client.request(method, url, content=body or None, headers=headers)
+        except httpx.TimeoutException:
+            raise TimeoutError from None
+        except httpx.ConnectError:
+            raise ConnectFailed("connection failed") from None
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            raise ConnectionLost("connection closed before a complete answer") from None
+        except httpx.TransportError as exc:
+            raise HTTPError(type(exc).__name__) from None
+        return response.status_code, response.content
+
+    async def aclose(self) -> None:
+        """The user's client is the user's to close."""
