@@ -81,7 +81,8 @@ async def test_keep_alive_reuses_one_connection() -> None:
 
 async def test_chunked_and_close_delimited_answers() -> None:
     answers = {
-        1: b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nabcd\r\n3;ext=1\r\nefg\r\n0\r\nx-trailer: 1\r\n\r\n",
+        1: b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"4\r\nabcd\r\n3;ext=1\r\nefg\r\n0\r\nx-trailer: 1\r\n\r\n",
         2: b"HTTP/1.1 500 Internal Server Error\r\nconnection: close\r\ncontent-length: 2\r\n\r\nno",
     }
 
