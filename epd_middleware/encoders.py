@@ -202,7 +202,7 @@ class EncoderPool:
         failures: dict[int, EncoderError] = {}
         rejected: list[EncoderError] = []
 
-        async def run(index: int, group: anyio.abc.TaskGroup) -> None:
+        async def run(index: int, siblings: anyio.CancelScope | None) -> None:
             try:
                 results[index] = await self._call_with_failover(
                     client, calls[index], bodies[index], headers[index], storage
@@ -211,14 +211,16 @@ class EncoderPool:
                 failures[index] = exc
                 if not exc.retryable:
                     rejected.append(exc)
-                    group.cancel_scope.cancel()
-                elif stop_at_first_failure:
-                    group.cancel_scope.cancel()
+                if siblings is not None and (not exc.retryable or stop_at_first_failure):
+                    siblings.cancel()
 
         with anyio.move_on_after(self.config.encode_deadline) as deadline:
-            async with anyio.create_task_group() as group:
-                for index in range(len(calls)):
-                    group.start_soon(run, index, group)
+            if len(calls) == 1:
+                await run(0, None)  # the common case: no task to spawn
+            else:
+                async with anyio.create_task_group() as group:
+                    for index in range(len(calls)):
+                        group.start_soon(run, index, group.cancel_scope)
         if rejected:
             raise rejected[0]
         if deadline.cancelled_caught:

@@ -87,20 +87,32 @@ def _metrics() -> _Prometheus | None:
 
 
 class Stats:
-    """One middleware's counters, mirrored into Prometheus when it is installed."""
+    """One middleware's counters, mirrored into Prometheus when it is installed.
+
+    Labelled children are looked up once and kept: ``labels()`` costs a lock and a dict of tuples on
+    every call, and these are on the request path.
+    """
 
     def __init__(self) -> None:
         self.counters: Counter[str] = Counter()
         self._prom = _metrics()
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def request(self, outcome: str) -> None:
         self.counters[outcome] += 1
         if self._prom is not None:
-            self._prom.requests.labels(outcome).inc()
+            self._child(self._prom.requests, outcome).inc()
 
     def stage(self, stage: str, seconds: float) -> None:
         if self._prom is not None:
-            self._prom.stage_seconds.labels(stage).observe(seconds)
+            self._child(self._prom.stage_seconds, stage).observe(seconds)
 
     def encoded(self, items: int, calls: int) -> None:
         self.request("encoded")
@@ -122,17 +134,17 @@ class Stats:
     def encoder_call(self, encoder: str, outcome: str, seconds: float) -> None:
         self.counters[f"encoder_calls_{outcome}"] += 1
         if self._prom is not None:
-            self._prom.encoder_call_seconds.labels(encoder, outcome).observe(seconds)
+            self._child(self._prom.encoder_call_seconds, encoder, outcome).observe(seconds)
 
     def failover(self, encoder: str) -> None:
         self.counters["failovers"] += 1
         if self._prom is not None:
-            self._prom.failovers.labels(encoder).inc()
+            self._child(self._prom.failovers, encoder).inc()
 
     def encoder_health(self, encoder: str, healthy: bool) -> None:
         if self._prom is not None:
-            self._prom.encoder_healthy.labels(encoder).set(1 if healthy else 0)
+            self._child(self._prom.encoder_healthy, encoder).set(1 if healthy else 0)
 
     def in_flight(self, encoder: str, delta: int) -> None:
         if self._prom is not None:
-            self._prom.encoder_in_flight.labels(encoder).inc(delta)
+            self._child(self._prom.encoder_in_flight, encoder).inc(delta)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -150,14 +151,15 @@ class Pipeline:
         self.stats.stage("rewrite", rewritten - encoded)
         if not fallen:
             self.stats.encoded(len(items), len(calls))
-        logger.info(
-            "request %s: %d media item(s), %d encoder call(s) to %s; encode %.1f ms, rewrite %.2f ms%s",
-            request_id,
-            len(items),
-            len(calls),
-            ", ".join(sorted({call.encoder for call in calls})) or "none",
-            (encoded - started) * 1000,
-            (rewritten - encoded) * 1000,
-            f"; {fallen} left to the local engine" if fallen else "",
-        )
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "request %s: %d media item(s), %d encoder call(s) to %s; encode %.1f ms, rewrite %.2f ms%s",
+                request_id,
+                len(items),
+                len(calls),
+                ", ".join(sorted({call.encoder for call in calls})) or "none",
+                (encoded - started) * 1000,
+                (rewritten - encoded) * 1000,
+                f"; {fallen} left to the local engine" if fallen else "",
+            )
         return body

@@ -1,0 +1,108 @@
+"""The processes of the performance rig, each on its own loopback port.
+
+    python -m benchmarks.servers engine PORT
+    python -m benchmarks.servers engine+epd PORT ENCODER_URL[,ENCODER_URL...]
+    python -m benchmarks.servers proxy PORT ENGINE_URL ENCODER_URL[,...]
+
+``engine`` stands for vLLM's API server at its cheapest: it reads the body and answers a small JSON.
+``engine+epd`` is the same app with EPDMiddleware inside it (the in-process architecture); ``proxy`` is a
+separate forwarding hop built with the same libraries (EPDMiddleware in front of a forwarder that sends
+the rewritten request to the engine over one more HTTP round trip), which is how proxies deploy today.
+All run under uvicorn with uvloop and httptools, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import uvicorn
+
+from epd_middleware import EPDMiddleware
+from epd_middleware._http import HTTPClient
+
+ANSWER = (
+    b'{"id":"chatcmpl-bench","object":"chat.completion",'
+    b'"choices":[{"index":0,"message":{"role":"assistant","content":"ok"}}]}'
+)
+
+
+async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+        return
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(ANSWER)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": ANSWER})
+
+
+def forwarder(engine_url: str) -> Any:
+    client = HTTPClient(connect_timeout=5)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await engine(scope, receive, send)
+            return
+        chunks = []
+        more = True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        status, body = await client.request(
+            "POST", engine_url + scope["path"], b"".join(chunks), {"content-type": "application/json"}
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def main() -> None:
+    role, port = sys.argv[1], int(sys.argv[2])
+    options = {"health_check_interval": 0, "max_body_bytes": 256 * 1024 * 1024, "max_media_items": 256}
+    if role == "engine":
+        app: Any = engine
+    elif role == "engine+epd":
+        app = EPDMiddleware(engine, encoders=sys.argv[3].split(","), **options)
+    elif role == "proxy":
+        app = EPDMiddleware(forwarder(sys.argv[3]), encoders=sys.argv[4].split(","), **options)
+    else:
+        raise SystemExit(f"unknown role {role}")
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+    )
+
+
+if __name__ == "__main__":
+    main()
