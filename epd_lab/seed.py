@@ -43,6 +43,13 @@ def png_rgba(width: int = 800, height: int = 600, squares: Any = SQUARES, side: 
     )
 
 
+def seed_image(shift: int = 0) -> str:
+    """The seed image as a data URL, or a variant with its squares moved by ``shift`` pixels (a distinct
+    image, so a distinct cache key)."""
+    squares = [((x + shift, y + shift), color) for (x, y), color in SQUARES]
+    return data_url(png_rgba(squares=squares))
+
+
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
 

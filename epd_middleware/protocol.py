@@ -34,16 +34,6 @@ PART_KEY_ORDER: Final[tuple[str, ...]] = (
     "video_url",
 )
 
-# Bytes at least one of which a JSON body must contain to hold a media part. ``\u00`` catches a
-# part type spelled with escapes (``"image\u005furl"``), which JSON allows and a byte search would miss.
-MEDIA_MARKERS: Final[tuple[bytes, ...]] = (
-    b"image_url",
-    b"audio_url",
-    b"video_url",
-    b"input_audio",
-    b"\\u00",
-)
-
 # Modalities sent one item per encoder request; images are batched.
 UNBATCHED_MODALITIES: Final[frozenset[str]] = frozenset({"audio", "video"})
 

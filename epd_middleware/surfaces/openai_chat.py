@@ -28,13 +28,15 @@ __all__ = [
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
-# Cheapest test that a body can hold media: "_url" covers the three *_url part types in one scan.
-_QUICK_MARKERS = (b"_url", b"input_audio", b"\\u00")
-
 
 def may_hold_media(body: bytes) -> bool:
-    """False only when the body cannot hold a media part; decides the no-parse pass-through."""
-    return any(marker in body for marker in _QUICK_MARKERS)
+    """False only when the body cannot hold a media part; decides the no-parse pass-through.
+
+    Multi-byte searches run at about 1.5 GB/s here, a one-byte search (memchr) at about 60 GB/s, so the
+    escape check, needed only for part types spelled with ``\\u`` escapes, first asks whether the body
+    has a backslash at all. "_url" covers the three ``*_url`` part types in one scan.
+    """
+    return b"_url" in body or b"input_audio" in body or (b"\\" in body and b"\\u00" in body)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from epd_lab import servers as lab
-from epd_lab.seed import NON_DEFAULT_OPTIONS, SQUARES, data_url, png_rgba, seed_request
+from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
 from epd_middleware.plan import content_uuid
 
 from .conftest import API_KEY, Deployment
@@ -23,10 +23,7 @@ AUTH = {"authorization": f"Bearer {API_KEY}"}
 REPORT: list[dict[str, Any]] = []
 
 
-def image(shift: int = 0) -> str:
-    """The seed image, or a variant with its squares moved (a distinct image, a distinct cache key)."""
-    squares = [((x + shift, y + shift), color) for (x, y), color in SQUARES]
-    return data_url(png_rgba(squares=squares))
+image = seed_image
 
 
 def chat(
@@ -208,6 +205,20 @@ def test_plugin_loaded_inside_vllm(deployment: Deployment) -> None:
     assert "Loaded endpoint plugin epd" in log
     # The middleware read the connector's storage from the server's own configuration.
     assert f"checking embeddings under {deployment.storage}" in log
+
+
+def test_metrics_and_status_inside_vllm(deployment: Deployment) -> None:
+    """The epd_* metrics appear in vLLM's own /metrics; the status page is behind vLLM's API key."""
+    chat(deployment.pd, seed_request(MODEL, images=[image(shift=170)]), AUTH)
+    metrics = httpx.get(f"{deployment.pd.url}/metrics", timeout=30).text
+    assert 'epd_requests_total{outcome="encoded"}' in metrics
+    assert "epd_encoder_call_duration_seconds_bucket" in metrics
+    assert "vllm:" in metrics  # the same page as vLLM's own metrics
+    assert httpx.get(f"{deployment.pd.url}/epd/status", timeout=30).status_code == 401
+    status = httpx.get(f"{deployment.pd.url}/epd/status", headers=AUTH, timeout=30).json()
+    assert set(status["encoders"]) == {server.url for server in deployment.encoders}
+    assert status["counters"]["encoded"] >= 1
+    assert status["embedding_storage_checked"] == str(deployment.storage)
 
 
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
