@@ -1,7 +1,7 @@
 """The performance benchmark of docs/performance.md.
 
     .venv/bin/pip install -e ".[bench]"
-    .venv/bin/python -m benchmarks.perf [--quick] [--out benchmarks/results]
+    .venv/bin/python -m benchmarks.perf [--quick] [--out docs/perf]
 
 Fake encoder and engine processes on loopback (uvicorn + uvloop + httptools, like vLLM), a load
 generator in this process on the built-in HTTP client. Every measurement is taken side by side in one
@@ -514,12 +514,14 @@ def plot(results: dict[str, Any], out_dir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "perf"))
     args = parser.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    results = anyio.run(
-        run, args.quick, Path(args.out), backend="asyncio", backend_options={"use_uvloop": True}
-    )
+    out_dir = Path(args.out)
+    results = anyio.run(run, args.quick, out_dir, backend="asyncio", backend_options={"use_uvloop": True})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "perf.json").write_text(json.dumps(results, indent=1))
+    plot(results, out_dir)
     print(json.dumps(results["pass_through_in_process"], indent=1))
 
 
