@@ -35,6 +35,34 @@ def chat(
     return response
 
 
+def encode_directly(
+    deployment: Deployment, url: str, uuid: str, options: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Ask an encoder for one image, as the middleware would, but from the test."""
+    content = [{"type": "image_url", "image_url": {"url": url}, "uuid": uuid}]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 1,
+        **(options or {}),
+    }
+    reply: dict[str, Any] = httpx.post(
+        f"{deployment.encoders[0].url}/v1/chat/completions", json=body, timeout=300
+    ).json()
+    return reply
+
+
+def metadata_only_body(uuid: str, reply: dict[str, Any], options: dict[str, Any] | None) -> dict[str, Any]:
+    """The seed request with the image replaced by a metadata-only reference and the encoder's handles."""
+    [entry] = reply["ec_transfer_params"].values()
+    body = seed_request(MODEL, images=[], options=options)
+    body["messages"][0]["content"].insert(
+        0, {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": uuid}
+    )
+    body["ec_transfer_params"] = reply["ec_transfer_params"]
+    return body
+
+
 def record(case: str, response: httpx.Response, baseline: httpx.Response | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {"case": case, "status": response.status_code, "seconds": response.elapsed_s}  # type: ignore[attr-defined]
     if response.status_code == 200:
@@ -96,27 +124,12 @@ def test_handle_reaches_pd_under_the_derived_hash_and_pd_gets_no_pixels(deployme
     [derived] = new
 
     # The encoder reports that same hash for that uuid and those options...
-    encoder_body = {
-        "model": MODEL,
-        "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, "uuid": uuid}]}
-        ],
-        "max_tokens": 1,
-        **NON_DEFAULT_OPTIONS,
-    }
-    reply = httpx.post(
-        f"{deployment.encoders[0].url}/v1/chat/completions", json=encoder_body, timeout=300
-    ).json()
+    reply = encode_directly(deployment, url, uuid, NON_DEFAULT_OPTIONS)
     assert list(reply["ec_transfer_params"]) == [derived]
-    metadata = reply["ec_transfer_params"][derived]["metadata"]
 
     # ...and the body the middleware gives PD, a metadata-only reference without a single pixel, is
     # enough: PD answers it exactly like the single instance answers the image.
-    rewritten = seed_request(MODEL, images=[], options=NON_DEFAULT_OPTIONS)
-    rewritten["messages"][0]["content"].insert(
-        0, {"type": "image_embeds", "image_embeds": metadata, "uuid": uuid}
-    )
-    rewritten["ec_transfer_params"] = reply["ec_transfer_params"]
+    rewritten = metadata_only_body(uuid, reply, NON_DEFAULT_OPTIONS)
     assert "base64" not in json.dumps(rewritten)
     direct = chat(deployment.pd, rewritten, AUTH)
     record("PD, metadata-only body (no pixels)", direct, response)
@@ -225,23 +238,10 @@ def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) 
     """What the middleware prevents: the encoder ran without the options, PD runs with them."""
     url = image(shift=150)
     uuid = content_uuid("image", (url,))
-    encoder_body = {
-        "model": MODEL,
-        "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}, "uuid": uuid}]}
-        ],
-        "max_tokens": 1,
-    }
-    reply = httpx.post(
-        f"{deployment.encoders[0].url}/v1/chat/completions", json=encoder_body, timeout=300
-    ).json()
-    [(reported, entry)] = reply["ec_transfer_params"].items()
+    reply = encode_directly(deployment, url, uuid, None)
+    [reported] = reply["ec_transfer_params"]
     assert reported == uuid  # no options: vLLM keeps the uuid
-    body = seed_request(MODEL, images=[], options=NON_DEFAULT_OPTIONS)
-    body["messages"][0]["content"].insert(
-        0, {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": uuid}
-    )
-    body["ec_transfer_params"] = reply["ec_transfer_params"]
+    body = metadata_only_body(uuid, reply, NON_DEFAULT_OPTIONS)
     try:
         response = chat(deployment.control, body)
     except httpx.HTTPError as exc:  # the engine may die mid-request
