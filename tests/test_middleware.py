@@ -607,3 +607,38 @@ async def test_config_object_is_equivalent_to_keyword_options() -> None:
         results.append(engine.received[0].body)
     assert results[0] == results[1]
     assert os.environ.get("EPD_ENCODERS") is None
+
+
+async def test_nixl_and_cpu_connector_handles_reach_the_engine_whole_under_the_reported_hash() -> None:
+    """Connectors that pull embeddings from the producer (NIXL, vLLM's CPU connector) report transfer
+    coordinates beside ``metadata``; the consumer looks them up by the hash it derives
+    (``ec_connector/cpu/scheduler``: ``request.ec_transfer_params.get(mm_hash)``, needs ``peer_host``)."""
+    reported: dict[str, Any] = {}
+
+    def encoder(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        entries = {}
+        for index, part in enumerate(body["messages"][0]["content"]):
+            mm_hash = derived_hash(body["model"], part["uuid"], "image", body)
+            entries[mm_hash] = reported[mm_hash] = {
+                "item_indices": [index],
+                "metadata": {"image_grid_thw": SMALL_GRID},
+                "peer_host": "10.1.2.3",
+                "peer_port": 5600 + index,
+                "size_bytes": 54 * 128 * 4,
+                "shape": [54, 128],
+                "dtype": "float32",
+            }
+        return httpx.Response(200, json={"ec_transfer_params": entries})
+
+    engine = FakeEngine()
+    app = engine.app()
+    app.add_middleware(
+        EPDMiddleware, encoders=[E0], http_client=httpx.AsyncClient(transport=httpx.MockTransport(encoder))
+    )
+    assert (await post(app, chat_body(image(png(1)), image(png(2)), **OPTIONS))).status_code == 200
+    received = engine.received[0].json
+    assert received["ec_transfer_params"] == reported
+    for part in media_parts(received):
+        assert part["uuid"] not in received["ec_transfer_params"]  # keyed by the derived hash
+        assert derived_hash(MODEL, part["uuid"], "image", received) in received["ec_transfer_params"]
