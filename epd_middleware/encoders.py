@@ -32,7 +32,7 @@ from .handles import Handle, ItemKey, match_reply
 from .logs import logger
 from .metrics import Stats
 from .plan import EncoderCall
-from .protocol import EC_TRANSFER_PARAMS
+from .protocol import EC_TRANSFER_PARAMS, EXAMPLE_CONNECTOR_FILE
 from .transport import HTTPError, Transport
 
 __all__ = ["EncodeOutcome", "EncoderPool"]
@@ -41,8 +41,6 @@ __all__ = ["EncodeOutcome", "EncoderPool"]
 _decode_reply = msgspec.json.Decoder().decode
 _JSON = "application/json"
 _MAX_DETAIL = 300
-# ECExampleConnector stores one embedding per hash at <shared_storage_path>/<hash>/<this file>.
-_EXAMPLE_CONNECTOR_FILE = "encoder_cache.safetensors"
 
 
 @dataclass
@@ -336,7 +334,7 @@ def _check_stored(encoder: str, handles: Mapping[ItemKey, Handle], storage: str)
         mm_hash = handle.mm_hash
         if not mm_hash or "/" in mm_hash or "\\" in mm_hash or mm_hash in (".", ".."):
             raise EncoderBadReply(encoder, f"reported hash {mm_hash!r} is not a valid file name")
-        if not os.path.exists(os.path.join(storage, mm_hash, _EXAMPLE_CONNECTOR_FILE)):
+        if not os.path.exists(os.path.join(storage, mm_hash, EXAMPLE_CONNECTOR_FILE)):
             raise EncoderBadReply(encoder, f"the embedding of {mm_hash!r} is not in the shared storage")
 
 

@@ -67,6 +67,9 @@ METADATA: Final = "metadata"
 # vLLM takes the request id from this header (``_base_request_id``); E and PD logs join on it.
 REQUEST_ID_HEADER: Final = b"x-request-id"
 
+# ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>.
+EXAMPLE_CONNECTOR_FILE: Final = "encoder_cache.safetensors"
+
 
 def example_connector_storage(vllm_config: object) -> str | None:
     """The directory where this server's ECExampleConnector looks for embeddings, if that is its connector.
