@@ -7,6 +7,7 @@ into responses. It knows nothing of message formats: the request path lives in
 from __future__ import annotations
 
 import hmac
+import os
 import uuid
 from collections.abc import Sequence
 
@@ -115,6 +116,8 @@ class EPDMiddleware:
                 send,
                 200,
                 {
+                    # Every API-server process has its own middleware state (--api-server-count).
+                    "pid": os.getpid(),
                     "encoders": pipeline.pool.snapshot(anyio.current_time()),
                     "pending_requests": pipeline.pool.pending,
                     "counters": dict(pipeline.counters),

@@ -29,11 +29,12 @@ class Deployment:
     pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
     pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"
     control: lab.VLLMServer  # plain ec_consumer, no middleware: the negative control may kill it
+    pd_multi: lab.VLLMServer  # plugin, --api-server-count 2: one middleware per API-server process
     report: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def all(self) -> list[lab.VLLMServer]:
-        return [self.single, *self.encoders, self.pd, self.pd_flag, self.control]
+        return [self.single, *self.encoders, self.pd, self.pd_flag, self.control, self.pd_multi]
 
     def stored_hashes(self) -> set[str]:
         return {entry.name for entry in self.storage.iterdir()} if self.storage.exists() else set()
@@ -79,7 +80,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             extra_env={"EPD_ON_ENCODER_FAILURE": "local", "EPD_HEALTH_CHECK_INTERVAL": "1"},
         ),
         control=lab.pd_server(python, model, logs, storage, urls, via="none", name="pd-control"),
+        pd_multi=lab.pd_server(python, model, logs, storage, urls, via="plugin", name="pd-multi"),
     )
+    deployment.pd_multi.args += ["--api-server-count", "2"]
     lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
     _deployment = deployment
     try:

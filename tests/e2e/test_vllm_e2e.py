@@ -234,6 +234,35 @@ def test_metrics_and_status_inside_vllm(deployment: Deployment) -> None:
     assert status["embedding_storage_checked"] == str(deployment.storage)
 
 
+def test_two_api_server_processes_each_run_their_own_middleware(deployment: Deployment) -> None:
+    """--api-server-count 2: every process builds its own app and middleware. Requests still equal the
+    single instance, the status page is per process (it says which), /metrics sums all processes."""
+    before = _encoded_total(deployment.pd_multi)
+    for index in range(4):
+        body = seed_request(MODEL, images=[image(shift=420 + index)])
+        baseline = chat(deployment.single, body)
+        response = chat(deployment.pd_multi, body)
+        record(f"E + PD (2 API servers), request {index}", response, baseline)
+        assert_same(response, baseline)
+    assert _encoded_total(deployment.pd_multi) == before + 4
+    seen: dict[int, int] = {}
+    for _ in range(24):  # new connection each time: the kernel spreads them over the processes
+        status = httpx.get(f"{deployment.pd_multi.url}/epd/status", timeout=30).json()
+        seen[status["pid"]] = status["counters"].get("encoded", 0)
+    assert len(seen) in (1, 2)
+    if len(seen) == 2:  # both processes answered: their own counts add up to what /metrics sums
+        assert sum(seen.values()) == before + 4
+    else:
+        assert sum(seen.values()) <= before + 4
+
+
+def _encoded_total(server: lab.VLLMServer) -> float:
+    for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('epd_requests_total{outcome="encoded"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
     """What the middleware prevents: the encoder ran without the options, PD runs with them."""
     url = image(shift=150)
