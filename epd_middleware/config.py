@@ -213,6 +213,11 @@ class EPDConfig(BaseModel):
             raise ValueError(f"status_path {path!r} must start with '/' (or be empty to turn it off)")
         return path
 
+    @property
+    def encoder_authorization(self) -> str | None:
+        """The Authorization header of calls and probes to the encoders, when an encoder key is set."""
+        return f"Bearer {self.encoder_api_key}" if self.encoder_api_key else None
+
     @model_validator(mode="after")
     def _check_timeouts(self) -> EPDConfig:
         if self.max_eject_cooldown < self.eject_cooldown:

@@ -178,8 +178,8 @@ class _ClientHolder:
         return self._owned
 
     def probe_headers(self) -> dict[str, str]:
-        key = self._config.encoder_api_key
-        return {"authorization": f"Bearer {key}"} if key else {}
+        auth = self._config.encoder_authorization
+        return {"authorization": auth} if auth else {}
 
     async def aclose(self) -> None:
         owned, self._owned = self._owned, None

@@ -112,8 +112,8 @@ class Pipeline:
         )
 
         auth = authorization if config.forward_authorization else None
-        if auth is None and config.encoder_api_key:
-            auth = f"Bearer {config.encoder_api_key}"
+        if auth is None:
+            auth = config.encoder_authorization
         headers = []
         for index in range(len(calls)):
             call_headers = {_REQUEST_ID: f"{request_id}-enc{index}"}
