@@ -17,7 +17,8 @@ import logging
 
 import anyio
 
-from tests.load.harness import encoder_processes, free_port, run_scenario
+from epd_lab.servers import free_port
+from tests.load.harness import encoder_processes, run_scenario
 
 OPTIONS = {
     "encoder_timeout": 1.0,

@@ -39,12 +39,12 @@ from typing import Any
 
 import anyio
 
+from epd_lab.servers import free_port
 from epd_middleware import EPDMiddleware
 from epd_middleware._http import HTTPClient
 from epd_middleware.handles import part_metadata, transfer_params
 from epd_middleware.plan import media_items
 from epd_middleware.surfaces import openai_chat as chat
-from tests.load.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 50176}}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,31 @@ def build_app(
     client = encoders.client()
     app.add_middleware(EPDMiddleware, encoders=encoders.urls, http_client=client, **options)
     return app, client
+
+
+def app_with_encoder_handler(
+    handler: Callable[[httpx.Request], httpx.Response], **options: Any
+) -> tuple[Starlette, FakeEngine]:
+    """A fake engine app with the middleware, whose encoder calls all go to ``handler``."""
+    engine = FakeEngine()
+    app = engine.app()
+    app.add_middleware(
+        EPDMiddleware, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)), **options
+    )
+    return app, engine
+
+
+def scripted_receive(body: bytes) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI receive that gives ``body`` in one message, then waits (the client stays connected)."""
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop(0)
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
 
 
 def chat_body(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from epd_middleware import EPDMiddleware
 
-from .fakes import FakeEngine
+from .fakes import FakeEngine, scripted_receive
 from .test_middleware import http_scope
 
 pytestmark = pytest.mark.anyio
@@ -147,14 +147,8 @@ async def drive(raw: bytes, **options: Any) -> tuple[int, list[bytes], list[byte
         http_client=httpx.AsyncClient(transport=encoder_handler(calls)),
         **{**LIMITS, **options},
     )
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+    receive = scripted_receive(raw)
     sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if messages:
-            return messages.pop(0)
-        await anyio.sleep_forever()
-        raise AssertionError
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)

@@ -13,7 +13,9 @@ import json
 
 import pytest
 
-from .load.harness import encoder_processes, free_port, run_scenario
+from epd_lab.servers import free_port
+
+from .load.harness import encoder_processes, run_scenario
 
 pytestmark = pytest.mark.anyio
 

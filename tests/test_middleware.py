@@ -20,6 +20,7 @@ from .fakes import (
     SMALL_GRID,
     FakeEncoders,
     FakeEngine,
+    app_with_encoder_handler,
     audio,
     build_app,
     chat_body,
@@ -350,11 +351,7 @@ async def test_httpx_client_timeout_is_a_504_too() -> None:
     def slow(request: httpx.Request) -> httpx.Response:
         raise httpx.ReadTimeout("read timed out", request=request)
 
-    engine = FakeEngine()
-    app = engine.app()
-    app.add_middleware(
-        EPDMiddleware, encoders=[E0], http_client=httpx.AsyncClient(transport=httpx.MockTransport(slow))
-    )
+    app, _ = app_with_encoder_handler(slow, encoders=[E0])
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == 504
     assert E0 in response.json()["error"]["message"]
@@ -631,11 +628,7 @@ async def test_nixl_and_cpu_connector_handles_reach_the_engine_whole_under_the_r
             }
         return httpx.Response(200, json={"ec_transfer_params": entries})
 
-    engine = FakeEngine()
-    app = engine.app()
-    app.add_middleware(
-        EPDMiddleware, encoders=[E0], http_client=httpx.AsyncClient(transport=httpx.MockTransport(encoder))
-    )
+    app, engine = app_with_encoder_handler(encoder, encoders=[E0])
     assert (await post(app, chat_body(image(png(1)), image(png(2)), **OPTIONS))).status_code == 200
     received = engine.received[0].json
     assert received["ec_transfer_params"] == reported

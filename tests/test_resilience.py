@@ -14,7 +14,15 @@ import pytest
 from epd_middleware import EPDConfig, EPDMiddleware
 from epd_middleware.transport import HttpxTransport
 
-from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
+from .fakes import (
+    FakeEncoders,
+    FakeEngine,
+    app_with_encoder_handler,
+    build_app,
+    chat_body,
+    image,
+    scripted_receive,
+)
 from .test_middleware import http_scope, media_parts, png, post
 
 pytestmark = pytest.mark.anyio
@@ -45,13 +53,7 @@ async def test_statuses_about_the_encoder_fail_over(status: str) -> None:
         uuid = body["messages"][0]["content"][0]["uuid"]
         return httpx.Response(200, json={"ec_transfer_params": {uuid: {"metadata": {"g": [1]}}}})
 
-    engine = FakeEngine()
-    app = engine.app()
-    app.add_middleware(
-        EPDMiddleware,
-        encoders=[E1, E0],
-        http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
-    )
+    app, _ = app_with_encoder_handler(handler, encoders=[E1, E0])
     assert (await post(app, chat_body(image(png(1))))).status_code == 200
 
 
@@ -65,13 +67,7 @@ async def test_request_errors_reach_the_client_and_are_not_retried(status: int) 
             status, json={"error": {"message": "The model `x` does not exist.", "code": status}}
         )
 
-    engine = FakeEngine()
-    app = engine.app()
-    app.add_middleware(
-        EPDMiddleware,
-        encoders=[E0, E1],
-        http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)),
-    )
+    app, engine = app_with_encoder_handler(handler, encoders=[E0, E1])
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == status
     message = response.json()["error"]["message"]
@@ -258,13 +254,7 @@ async def test_no_engine_retry_after_the_first_byte() -> None:
     middleware = EPDMiddleware(engine, encoders=[E0], http_client=encoders.client())
     sent: list[dict[str, Any]] = []
     body = json.dumps(chat_body(image(png(1)))).encode()
-    queue = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        if queue:
-            return queue.pop(0)
-        await anyio.sleep_forever()
-        raise AssertionError
+    receive = scripted_receive(body)
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)

@@ -9,7 +9,6 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,15 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from epd_lab.servers import free_port
 from epd_middleware import EPDMiddleware
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
