@@ -6,12 +6,13 @@
 from .config import EPDConfig
 from .errors import (
     BodyTooLarge,
-    EncoderBadReply,
-    EncoderError,
-    EncoderStatusError,
-    EncoderTimeout,
-    EncoderUnavailable,
     EPDError,
+    UpstreamBadReply,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
 )
 from .middleware import EPDMiddleware
 
@@ -20,11 +21,12 @@ __all__ = [
     "EPDConfig",
     "EPDError",
     "EPDMiddleware",
-    "EncoderBadReply",
-    "EncoderError",
-    "EncoderStatusError",
-    "EncoderTimeout",
-    "EncoderUnavailable",
+    "UpstreamBadReply",
+    "UpstreamError",
+    "UpstreamRejected",
+    "UpstreamStatusError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
 ]
 
 __version__ = "0.1.0"

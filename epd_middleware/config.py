@@ -11,7 +11,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["ENV_PREFIX", "EPDConfig", "EPDOptions"]
 
@@ -28,7 +36,38 @@ class EPDConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     encoders: tuple[str, ...] = Field(
-        description="Base URLs of the vLLM encoder instances (ec_producer), e.g. http://enc-0:8001.",
+        default=(),
+        description=(
+            "Base URLs of the vLLM encoder instances (ec_producer), e.g. http://enc-0:8001. May be empty "
+            "only when prefill is set (P/D without remote encoders)."
+        ),
+    )
+    prefill: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Base URLs of remote prefill instances (kv_producer). When set, every intercepted request is "
+            "prefilled on one of them (after its media is encoded) and this server only decodes."
+        ),
+    )
+    prefill_timeout: float = Field(
+        default=300.0,
+        gt=0,
+        description="Seconds one prefill call may take, connect to last byte; past it the call has failed.",
+    )
+    on_prefill_failure: Literal["error", "local"] = Field(
+        default="error",
+        description=(
+            "What happens to a request no prefill server could prefill: 'error' answers 502/503/504; "
+            "'local' lets this server prefill it itself."
+        ),
+    )
+    ec_consumer_zmq: str | None = Field(
+        default=None,
+        description=(
+            "Mooncake push: the ZMQ address (tcp://HOST:PORT) encoders push embeddings to for this server. "
+            "Read from the server's own ECMooncakeConnector configuration when not given; setting it turns "
+            "push on."
+        ),
     )
     encoder_timeout: float = Field(
         default=60.0,
@@ -107,7 +146,11 @@ class EPDConfig(BaseModel):
     )
     paths: tuple[str, ...] = Field(
         default=("/v1/chat/completions",),
-        description="Request paths whose POST bodies are examined; everything else passes through.",
+        description="Chat-completions request paths whose POST bodies are examined.",
+    )
+    messages_paths: tuple[str, ...] = Field(
+        default=("/v1/messages",),
+        description="Anthropic Messages request paths whose POST bodies are examined (empty: none).",
     )
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024,
@@ -174,31 +217,42 @@ class EPDConfig(BaseModel):
     encoder_api_key: str | None = Field(
         default=None,
         repr=False,
-        description="Bearer token sent to the encoders.",
+        description="Bearer token sent to the encoders and prefill servers.",
     )
     forward_authorization: bool = Field(
         default=False,
-        description="Send the client's Authorization header to the encoders (instead of encoder_api_key).",
+        description=(
+            "Send the client's Authorization header to the encoders and prefill servers (instead of "
+            "encoder_api_key)."
+        ),
     )
 
-    @field_validator("encoders")
+    @field_validator("encoders", "prefill")
     @classmethod
-    def _check_encoders(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
-        if not urls:
-            raise ValueError("at least one encoder URL is required (EPD_ENCODERS or encoders=[...])")
+    def _check_urls(cls, urls: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        role = "encoder" if info.field_name == "encoders" else "prefill"
         cleaned = []
         for url in urls:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"encoder URL {url!r} is not an http(s) URL with a host")
+                raise ValueError(f"{role} URL {url!r} is not an http(s) URL with a host")
             if parts.query or parts.fragment:
-                raise ValueError(f"encoder URL {url!r} must not carry a query or fragment")
+                raise ValueError(f"{role} URL {url!r} must not carry a query or fragment")
             cleaned.append(url.rstrip("/"))
         if len(set(cleaned)) != len(cleaned):
-            raise ValueError(f"encoder URLs are repeated: {list(urls)}")
+            raise ValueError(f"{role} URLs are repeated: {list(urls)}")
         return tuple(cleaned)
 
-    @field_validator("paths")
+    @field_validator("ec_consumer_zmq")
+    @classmethod
+    def _check_consumer(cls, address: str | None) -> str | None:
+        if address is not None:
+            parts = urlsplit(address)
+            if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+                raise ValueError(f"ec_consumer_zmq {address!r} is not a tcp://HOST:PORT address")
+        return address
+
+    @field_validator("paths", "messages_paths")
     @classmethod
     def _check_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
         for path in paths:
@@ -219,7 +273,16 @@ class EPDConfig(BaseModel):
         return f"Bearer {self.encoder_api_key}" if self.encoder_api_key else None
 
     @model_validator(mode="after")
-    def _check_timeouts(self) -> EPDConfig:
+    def _check_together(self) -> EPDConfig:
+        if not self.encoders and not self.prefill:
+            raise ValueError(
+                "at least one encoder URL is required (EPD_ENCODERS or encoders=[...]), or prefill URLs "
+                "for P/D without remote encoders"
+            )
+        if set(self.paths) & set(self.messages_paths):
+            raise ValueError(
+                f"paths and messages_paths share {sorted(set(self.paths) & set(self.messages_paths))}"
+            )
         if self.max_eject_cooldown < self.eject_cooldown:
             raise ValueError("max_eject_cooldown must not be shorter than eject_cooldown")
         return self
@@ -240,10 +303,11 @@ class EPDConfig(BaseModel):
         if "api_keys" not in values and env.get("VLLM_API_KEY"):
             # The key vLLM itself checks: with --middleware the middleware runs outside that check.
             values["api_keys"] = (env["VLLM_API_KEY"],)
-        if "encoders" not in values:
+        if "encoders" not in values and "prefill" not in values:
             raise ValueError(
                 f"invalid EPD_* environment configuration: {cls.env_var('encoders')} is not set; give the "
-                "encoder base URLs, comma-separated (EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001)"
+                "encoder base URLs, comma-separated (EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001), "
+                f"or {cls.env_var('prefill')} for P/D without remote encoders"
             )
         try:
             return cls(**values)
@@ -271,6 +335,10 @@ class EPDOptions(TypedDict, total=False):
     typed, so that ``app.add_middleware(EPDMiddleware, ...)`` type-checks. A test keeps the two equal."""
 
     encoders: Sequence[str]
+    prefill: Sequence[str]
+    prefill_timeout: float
+    on_prefill_failure: Literal["error", "local"]
+    ec_consumer_zmq: str | None
     encoder_timeout: float
     connect_timeout: float
     encode_deadline: float
@@ -286,6 +354,7 @@ class EPDOptions(TypedDict, total=False):
     max_pending_requests: int
     retry_after: int
     paths: Sequence[str]
+    messages_paths: Sequence[str]
     max_body_bytes: int
     max_media_items: int
     max_batch_size: int

@@ -1,7 +1,7 @@
 """Typed errors of the request path and the OpenAI-style JSON bodies clients see for them.
 
-Messages name the encoder (by its configured URL) and the reason, never a stack trace, a request body,
-or an address the operator did not configure.
+Messages name the encoder or prefill server (by its configured URL) and the reason, never a stack
+trace, a request body, or an address the operator did not configure.
 """
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ import msgspec
 __all__ = [
     "BodyTooLarge",
     "EPDError",
-    "EncoderBadReply",
-    "EncoderError",
-    "EncoderRejected",
-    "EncoderStatusError",
-    "EncoderTimeout",
-    "EncoderUnavailable",
-    "NoHealthyEncoder",
+    "NoHealthyUpstream",
     "Overloaded",
     "TooManyMediaItems",
     "Unauthorized",
+    "UpstreamBadReply",
+    "UpstreamError",
+    "UpstreamRejected",
+    "UpstreamStatusError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
 ]
 
 _encode = msgspec.json.Encoder().encode
 
-# Statuses that say something about the encoder, not about the request: another encoder may succeed.
+# Statuses that say something about the server, not about the request: another server may succeed.
 RETRYABLE_STATUSES = frozenset({401, 403, 408, 429})
 
 
@@ -102,61 +102,67 @@ class _RetryLater(EPDError):
 
 
 class Overloaded(_RetryLater):
-    """Too many requests are waiting for encoders: refuse now rather than queue without bound."""
+    """Too many requests are waiting for encoders or prefill: refuse now rather than queue without bound."""
 
 
-class NoHealthyEncoder(_RetryLater):
-    """Every encoder is ejected and the fallback policy is 'error'."""
+class NoHealthyUpstream(_RetryLater):
+    """Every server of a pool (encoders, prefill servers) is ejected and the policy is 'error'."""
 
 
-class EncoderError(EPDError):
-    """An encoder call that did not give usable handles; names the encoder and the reason."""
+class UpstreamError(EPDError):
+    """A call to an encoder or a prefill server that did not give a usable answer; names the server (by
+    its configured URL), its role and the reason."""
 
     status = 502
-    retryable = True  # another encoder may succeed where this one failed
+    retryable = True  # another server of the pool may succeed where this one failed
     outcome = "failed"  # the outcome label of the call in metrics
 
-    def __init__(self, encoder: str, reason: str) -> None:
-        super().__init__(f"encoder {encoder} failed: {reason}")
-        self.encoder = encoder
+    def __init__(self, server: str, reason: str, *, role: str = "encoder") -> None:
+        super().__init__(f"{role} {server} failed: {reason}")
+        self.server = server
+        self.role = role
         self.reason = reason
 
 
-class EncoderUnavailable(EncoderError):
-    """The encoder could not be reached (connection refused, reset, DNS)."""
+class UpstreamUnavailable(UpstreamError):
+    """The server could not be reached (connection refused, reset, DNS)."""
 
     outcome = "unavailable"
 
 
-class EncoderTimeout(EncoderError):
+class UpstreamTimeout(UpstreamError):
     status = 504
     outcome = "timeout"
 
 
-class EncoderStatusError(EncoderError):
-    """The encoder answered 5xx or a status about itself (401, 403, 408, 429)."""
+class UpstreamStatusError(UpstreamError):
+    """The server answered 5xx or a status about itself (401, 403, 408, 429)."""
 
     outcome = "status"
 
-    def __init__(self, encoder: str, status_code: int, detail: str = "") -> None:
-        super().__init__(encoder, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}")
+    def __init__(self, server: str, status_code: int, detail: str = "", *, role: str = "encoder") -> None:
+        super().__init__(
+            server, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}", role=role
+        )
         self.status_code = status_code
 
 
-class EncoderRejected(EncoderError):
-    """The encoder said the request itself is bad (400, 404, 413, 422 ...): no other encoder will differ,
-    so the client gets the encoder's status and message."""
+class UpstreamRejected(UpstreamError):
+    """The server said the request itself is bad (400, 404, 413, 422 ...): no other server will differ,
+    so the client gets the server's status and message."""
 
     retryable = False
     outcome = "rejected"
 
-    def __init__(self, encoder: str, status_code: int, detail: str) -> None:
-        super().__init__(encoder, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}")
+    def __init__(self, server: str, status_code: int, detail: str, *, role: str = "encoder") -> None:
+        super().__init__(
+            server, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}", role=role
+        )
         self.status_code = status_code
         self.status = status_code
 
 
-class EncoderBadReply(EncoderError):
-    """The encoder answered 200 with a body the middleware cannot use, or an embedding that is missing."""
+class UpstreamBadReply(UpstreamError):
+    """The server answered 200 with a body the middleware cannot use, or an embedding that is missing."""
 
     outcome = "bad_reply"

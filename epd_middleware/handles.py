@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import EncoderBadReply
+from .errors import UpstreamBadReply
 from .plan import MediaItem
-from .protocol import ITEM_INDICES, METADATA
+from .protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ITEM_INDICES, METADATA
 
-__all__ = ["Handle", "ItemKey", "match_reply", "part_metadata", "transfer_params"]
+__all__ = ["Handle", "ItemKey", "match_reply", "part_metadata", "push_items", "transfer_params"]
 
 ItemKey = tuple[str, str]  # (modality, uuid)
 
@@ -27,6 +27,8 @@ class Handle:
 
     mm_hash: str
     entry: Mapping[str, Any]
+    # The Mooncake transfer id the item was pushed under, when the encoder pushed it to this server.
+    transfer_id: str | None = None
 
     @property
     def metadata(self) -> Mapping[str, Any] | None:
@@ -44,13 +46,13 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
     if ec_transfer_params is None:
         return {}
     if not isinstance(ec_transfer_params, dict):
-        raise EncoderBadReply(encoder, "ec_transfer_params is not an object")
+        raise UpstreamBadReply(encoder, "ec_transfer_params is not an object")
     by_uuid = {item.uuid: index for index, item in enumerate(items)}
     matched: dict[int, Handle] = {}
 
     def assign(index: int, handle: Handle) -> None:
         if index in matched:
-            raise EncoderBadReply(
+            raise UpstreamBadReply(
                 encoder,
                 f"item {index} is claimed by both {matched[index].mm_hash!r} and {handle.mm_hash!r}",
             )
@@ -58,7 +60,7 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
 
     for mm_hash, entry in ec_transfer_params.items():
         if not isinstance(entry, dict):
-            raise EncoderBadReply(encoder, f"ec_transfer_params entry {mm_hash!r} is not an object")
+            raise UpstreamBadReply(encoder, f"ec_transfer_params entry {mm_hash!r} is not an object")
         handle = Handle(mm_hash, entry)
         indices = entry.get(ITEM_INDICES)
         if indices is not None:
@@ -69,7 +71,7 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
         elif len(items) == 1 and len(ec_transfer_params) == 1:
             assign(0, handle)
         else:
-            raise EncoderBadReply(
+            raise UpstreamBadReply(
                 encoder,
                 f"ec_transfer_params entry {mm_hash!r} matches none of the {len(items)} items sent",
             )
@@ -78,17 +80,17 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
 
 def _checked_indices(encoder: str, count: int, mm_hash: str, indices: Any) -> list[int]:
     if not isinstance(indices, list) or not indices:
-        raise EncoderBadReply(encoder, f"item_indices of {mm_hash!r} is not a non-empty list")
+        raise UpstreamBadReply(encoder, f"item_indices of {mm_hash!r} is not a non-empty list")
     for index in indices:
         if type(index) is not int:
-            raise EncoderBadReply(encoder, f"item_indices of {mm_hash!r} holds a non-integer {index!r}")
+            raise UpstreamBadReply(encoder, f"item_indices of {mm_hash!r} holds a non-integer {index!r}")
         if not 0 <= index < count:
-            raise EncoderBadReply(
+            raise UpstreamBadReply(
                 encoder,
                 f"item_indices of {mm_hash!r} holds {index}, out of range for {count} items",
             )
     if len(set(indices)) != len(indices):
-        raise EncoderBadReply(encoder, f"item_indices of {mm_hash!r} repeats an index")
+        raise UpstreamBadReply(encoder, f"item_indices of {mm_hash!r} repeats an index")
     return indices
 
 
@@ -117,3 +119,19 @@ def part_metadata(
 def transfer_params(handles: Mapping[ItemKey, Handle]) -> dict[str, Any]:
     """``ec_transfer_params`` for the local engine: every entry whole, under its reported hash."""
     return {handle.mm_hash: dict(handle.entry) for handle in handles.values()}
+
+
+def push_items(keys: Sequence[ItemKey], handles: Mapping[ItemKey, Handle]) -> list[dict[str, str]]:
+    """Mooncake ``ec_items`` for the local engine: for each pushed item in the request's item order, the
+    hash the encoder reported and the transfer id the push went under.
+
+    The consumer matches an entry by position when its ``mm_hash`` agrees, else by ``mm_hash``
+    (``ECMooncakeScheduler._request_transfer_id``); the hash is always given, so items left out (raw
+    references, items without a push) cannot shift the others onto the wrong transfer.
+    """
+    items = []
+    for key in keys:
+        handle = handles.get(key)
+        if handle is not None and handle.transfer_id is not None:
+            items.append({EC_ITEM_MM_HASH: handle.mm_hash, EC_ITEM_TRANSFER_ID: handle.transfer_id})
+    return items

@@ -14,7 +14,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-__all__ = ["Stats"]
+__all__ = ["ROLES", "Stats"]
+
+# The pools of remote vLLM servers the middleware calls.
+ROLES = ("encoder", "prefill")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -24,15 +27,9 @@ class _Prometheus:
     """The metric objects, created once per process (prometheus_client refuses duplicate names)."""
 
     def __init__(self, prom: Any) -> None:
-        self.encoder_call_seconds = prom.Histogram(
-            "epd_encoder_call_duration_seconds",
-            "Duration of one encoder call, by encoder and outcome.",
-            ["encoder", "outcome"],
-            buckets=_LATENCY_BUCKETS,
-        )
         self.stage_seconds = prom.Histogram(
             "epd_stage_duration_seconds",
-            "Time spent per intercepted request in each middleware stage (parse, encode, rewrite).",
+            "Time spent per intercepted request in each middleware stage (parse, encode, rewrite, prefill).",
             ["stage"],
             buckets=_LATENCY_BUCKETS,
         )
@@ -47,11 +44,6 @@ class _Prometheus:
             "Intercepted requests by outcome (encoded, passed_through, fallback, error_*).",
             ["outcome"],
         )
-        self.failovers = prom.Counter(
-            "epd_encoder_failovers",
-            "Encoder calls retried on another encoder, by the encoder that failed.",
-            ["encoder"],
-        )
         self.fallback_items = prom.Counter(
             "epd_fallback_items", "Media items left to the local engine to encode."
         )
@@ -59,14 +51,35 @@ class _Prometheus:
             "epd_engine_retries",
             "Requests run again after the local engine answered 500 before the first byte.",
         )
-        self.encoder_healthy = prom.Gauge(
-            "epd_encoder_healthy",
-            "1 when the encoder takes traffic, 0 while ejected.",
-            ["encoder"],
+        self.pools = {role: _PoolMetrics(prom, role) for role in ROLES}
+
+
+class _PoolMetrics:
+    """The metrics of one pool of servers: encoders (label ``encoder``) or prefill servers (``prefill``)."""
+
+    def __init__(self, prom: Any, role: str) -> None:
+        self.call_seconds = prom.Histogram(
+            f"epd_{role}_call_duration_seconds",
+            f"Duration of one {role} call, by {role} and outcome.",
+            [role, "outcome"],
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.failovers = prom.Counter(
+            f"epd_{role}_failovers",
+            f"{role.capitalize()} calls retried on another server, by the {role} that failed.",
+            [role],
+        )
+        self.healthy = prom.Gauge(
+            f"epd_{role}_healthy",
+            f"1 when the {role} server takes traffic, 0 while ejected.",
+            [role],
             multiprocess_mode="livemin",
         )
-        self.encoder_in_flight = prom.Gauge(
-            "epd_encoder_in_flight", "Encoder calls in flight.", ["encoder"], multiprocess_mode="livesum"
+        self.in_flight = prom.Gauge(
+            f"epd_{role}_in_flight",
+            f"{role.capitalize()} calls in flight.",
+            [role],
+            multiprocess_mode="livesum",
         )
 
 
@@ -131,20 +144,20 @@ class Stats:
         if self._prom is not None:
             self._prom.engine_retries.inc()
 
-    def encoder_call(self, encoder: str, outcome: str, seconds: float) -> None:
-        self.counters[f"encoder_calls_{outcome}"] += 1
+    def call(self, role: str, server: str, outcome: str, seconds: float) -> None:
+        self.counters[f"{role}_calls_{outcome}"] += 1
         if self._prom is not None:
-            self._child(self._prom.encoder_call_seconds, encoder, outcome).observe(seconds)
+            self._child(self._prom.pools[role].call_seconds, server, outcome).observe(seconds)
 
-    def failover(self, encoder: str) -> None:
-        self.counters["failovers"] += 1
+    def failover(self, role: str, server: str) -> None:
+        self.counters[f"{role}_failovers"] += 1
         if self._prom is not None:
-            self._child(self._prom.failovers, encoder).inc()
+            self._child(self._prom.pools[role].failovers, server).inc()
 
-    def encoder_health(self, encoder: str, healthy: bool) -> None:
+    def health(self, role: str, server: str, healthy: bool) -> None:
         if self._prom is not None:
-            self._child(self._prom.encoder_healthy, encoder).set(1 if healthy else 0)
+            self._child(self._prom.pools[role].healthy, server).set(1 if healthy else 0)
 
-    def in_flight(self, encoder: str, delta: int) -> None:
+    def in_flight(self, role: str, server: str, delta: int) -> None:
         if self._prom is not None:
-            self._child(self._prom.encoder_in_flight, encoder).inc(delta)
+            self._child(self._prom.pools[role].in_flight, server).inc(delta)

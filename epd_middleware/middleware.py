@@ -21,9 +21,15 @@ from typing_extensions import Unpack
 from .config import EPDConfig, EPDOptions
 from .errors import BodyTooLarge, EPDError, Unauthorized
 from .logs import adopt_vllm_logging, logger
-from .pipeline import Pipeline
-from .protocol import REQUEST_ID_HEADER, example_connector_storage
-from .surfaces.openai_chat import ChatRequest
+from .pipeline import Pipeline, RequestContext
+from .protocol import (
+    DATA_PARALLEL_RANK_HEADER,
+    REQUEST_ID_HEADER,
+    MooncakeConsumers,
+    example_connector_storage,
+    mooncake_consumers,
+)
+from .surfaces import ParsedRequest, Surface, anthropic_messages, openai_chat
 from .transport import HTTPClient, HttpxTransport, Transport
 
 __all__ = ["EPDMiddleware"]
@@ -65,7 +71,10 @@ class EPDMiddleware:
         adopt_vllm_logging()
         self.app = app
         self.config = config
-        self._paths = frozenset(config.paths)
+        self._surfaces: dict[str, Surface] = {
+            **{path: openai_chat.SURFACE for path in config.paths},
+            **{path: anthropic_messages.SURFACE for path in config.messages_paths},
+        }
         self._status_path = config.status_path
         self._pipeline = Pipeline(config)
         self._clients = _ClientHolder(http_client, config)
@@ -76,8 +85,9 @@ class EPDMiddleware:
         return self._pipeline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and self._intercepts(scope):
-            await _Exchange(self, scope, receive, send).run()
+        surface = self._intercepts(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if surface is not None:
+            await _Exchange(self, surface, scope, receive, send).run()
         elif scope["type"] == "http" and self._status_path and _route_path(scope) == self._status_path:
             await self._status(scope, send)
         elif scope["type"] == "lifespan":
@@ -85,13 +95,14 @@ class EPDMiddleware:
         else:
             await self.app(scope, receive, send)
 
-    def _intercepts(self, scope: Scope) -> bool:
-        if _route_path(scope) not in self._paths:
-            return False
+    def _intercepts(self, scope: Scope) -> Surface | None:
+        surface = self._surfaces.get(_route_path(scope))
+        if surface is None:
+            return None
         for name, value in scope["headers"]:
             if name == b"content-type":
-                return bool(value.split(b";", 1)[0].strip().lower() == _JSON)
-        return False
+                return surface if value.split(b";", 1)[0].strip().lower() == _JSON else None
+        return None
 
     def _authorized(self, scope: Scope) -> bool:
         keys = self._server.api_keys(scope)
@@ -118,8 +129,9 @@ class EPDMiddleware:
                 {
                     # Every API-server process has its own middleware state (--api-server-count).
                     "pid": os.getpid(),
-                    "encoders": pipeline.pool.snapshot(anyio.current_time()),
-                    "pending_requests": pipeline.pool.pending,
+                    "encoders": pipeline.encoders.snapshot(anyio.current_time()),
+                    "prefill": pipeline.prefill.snapshot(anyio.current_time()),
+                    "pending_requests": pipeline.pending,
                     "counters": dict(pipeline.counters),
                     "embedding_storage_checked": self._server.storage(scope),
                     "config": config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
@@ -133,8 +145,11 @@ class EPDMiddleware:
         async with anyio.create_task_group() as group:
 
             async def probe(client: Transport) -> None:
+                headers = self._clients.probe_headers()
                 with probes:
-                    await self._pipeline.pool.probe_forever(client, self._clients.probe_headers())
+                    async with anyio.create_task_group() as pools:
+                        pools.start_soon(self._pipeline.encoders.probe_forever, client, headers)
+                        pools.start_soon(self._pipeline.prefill.probe_forever, client, headers)
 
             async def receive_opening() -> Message:
                 message = await receive()
@@ -195,6 +210,8 @@ class _ServerFacts:
         self._config = config
         self._storage: object = config.ec_storage_path if config.ec_storage_path else _UNRESOLVED
         self._keys: tuple[bytes, ...] | None = None
+        self._consumers: object = _UNRESOLVED
+        self._next_rank = 0
 
     def api_keys(self, scope: Scope) -> tuple[bytes, ...]:
         if self._keys is None:
@@ -217,6 +234,42 @@ class _ServerFacts:
                 logger.info("epd: checking embeddings under %s before referencing them", self._storage)
         return self._storage if isinstance(self._storage, str) else None
 
+    def push_target(self, scope: Scope) -> tuple[str | None, bytes | None]:
+        """Mooncake push: the address encoders push this request's embeddings to, and the data-parallel
+        rank to pin the request to so that the engine behind that address runs it (None: no pin).
+
+        ``ec_consumer_zmq`` wins; otherwise the address follows the server's own ECMooncakeConnector
+        configuration (:func:`~epd_middleware.protocol.mooncake_consumers`). A rank the client pinned
+        itself is kept.
+        """
+        if self._config.ec_consumer_zmq is not None:
+            return self._config.ec_consumer_zmq, None
+        if self._consumers is _UNRESOLVED:
+            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            if vllm_config is None:
+                return None, None  # not known yet (or not inside vLLM): look again next time
+            self._consumers = mooncake_consumers(vllm_config)
+            if isinstance(self._consumers, MooncakeConsumers):
+                logger.info("epd: encoders push embeddings to %s", self._consumers.by_rank)
+        consumers = self._consumers
+        if not isinstance(consumers, MooncakeConsumers):
+            return None, None
+        ranks = list(consumers.by_rank)
+        for name, value in scope["headers"]:
+            if name == DATA_PARALLEL_RANK_HEADER:
+                try:
+                    pinned = int(value)
+                except ValueError:
+                    break
+                if pinned in consumers.by_rank:
+                    return consumers.by_rank[pinned], None
+                break
+        if not consumers.pin:
+            return consumers.by_rank[ranks[0]], None
+        rank = ranks[self._next_rank % len(ranks)]
+        self._next_rank += 1
+        return consumers.by_rank[rank], str(rank).encode()
+
 
 class _Disconnected(Exception):
     """The client went away; nothing more is sent or run for it."""
@@ -225,10 +278,13 @@ class _Disconnected(Exception):
 class _Exchange:
     """One intercepted request: its state lives here, never on the middleware."""
 
-    __slots__ = ("middleware", "receive", "scope", "send")
+    __slots__ = ("middleware", "receive", "scope", "send", "surface")
 
-    def __init__(self, middleware: EPDMiddleware, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(
+        self, middleware: EPDMiddleware, surface: Surface, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         self.middleware = middleware
+        self.surface = surface
         self.scope = scope
         self.receive = receive
         self.send = send
@@ -245,16 +301,17 @@ class _Exchange:
         except BodyTooLarge as exc:
             await self._send_error(exc)
             return
-        request = middleware._pipeline.parse(body)
+        request = middleware._pipeline.parse(self.surface, body)
         if request is None:
             middleware._pipeline.stats.request("passed_through")
             await middleware.app(self.scope, _replay(body, self.receive), self.send)
             return
         request_id, generated = self._request_id()
+        push_to, pin_rank = middleware._server.push_target(self.scope) if request.media else (None, None)
         retries = middleware.config.engine_retries
         for attempt in range(retries + 1):
             try:
-                new_body = await self._prepare(request, request_id)
+                new_body = await self._prepare(request, request_id, push_to)
             except _Disconnected:
                 return
             except EPDError as exc:
@@ -266,7 +323,7 @@ class _Exchange:
                 return
             scope = dict(self.scope)
             scope["headers"] = _engine_headers(
-                self.scope["headers"], len(new_body), request_id if generated else None
+                self.scope["headers"], len(new_body), request_id if generated else None, pin_rank
             )
             guard = _EngineFailureGuard(self.send, hold=attempt < retries)
             await middleware.app(scope, _replay(new_body, self.receive), guard.send)
@@ -319,11 +376,16 @@ class _Exchange:
                 return str(value.decode("latin-1"))
         return None
 
-    async def _prepare(self, request: ChatRequest, request_id: str) -> bytes | None:
+    async def _prepare(self, request: ParsedRequest, request_id: str, push_to: str | None) -> bytes | None:
         """Run the pipeline while listening for the client going away, which cancels the encoder calls."""
         middleware = self.middleware
-        client = middleware._clients.open()
-        storage = middleware._server.storage(self.scope)
+        context = RequestContext(
+            client=middleware._clients.open(),
+            request_id=request_id,
+            storage=middleware._server.storage(self.scope),
+            authorization=self._authorization(),
+            push_to=push_to,
+        )
         result: bytes | None = None
         failure: EPDError | None = None
         disconnected = False
@@ -340,9 +402,7 @@ class _Exchange:
 
             group.start_soon(watch_disconnect)
             try:
-                result = await middleware._pipeline.prepare(
-                    request, client, request_id, storage=storage, authorization=self._authorization()
-                )
+                result = await middleware._pipeline.prepare(self.surface, request, context)
             except EPDError as exc:
                 failure = exc
             finally:
@@ -414,10 +474,13 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 def _engine_headers(
-    headers: Sequence[tuple[bytes, bytes]], length: int, request_id: str | None
+    headers: Sequence[tuple[bytes, bytes]], length: int, request_id: str | None, rank: bytes | None
 ) -> list[tuple[bytes, bytes]]:
-    out = [(name, value) for name, value in headers if name not in (b"content-length", b"transfer-encoding")]
+    dropped = (b"content-length", b"transfer-encoding", DATA_PARALLEL_RANK_HEADER if rank else b"")
+    out = [(name, value) for name, value in headers if name not in dropped]
     out.append((b"content-length", str(length).encode()))
     if request_id is not None:
         out.append((REQUEST_ID_HEADER, request_id.encode()))
+    if rank is not None:
+        out.append((DATA_PARALLEL_RANK_HEADER, rank))
     return out

@@ -1,133 +1,163 @@
-"""One request's path, top to bottom: body -> media parts -> plan -> encoder calls -> handles -> new body."""
+"""One request's path, top to bottom: body -> media parts -> plan -> encoder calls -> handles -> engine
+request -> (remote prefill) -> body for the local engine.
+
+The same path serves every surface (chat completions, Anthropic Messages) and every topology: E + PD,
+E + P + D (``prefill``), P + D without encoders, and Mooncake push (a consumer address to push to).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid as uuid_module
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
 from .config import EPDConfig
-from .encoders import EncoderPool
-from .errors import NoHealthyEncoder, Overloaded, TooManyMediaItems
-from .handles import part_metadata, transfer_params
+from .encoders import EncoderRequest, encode
+from .errors import NoHealthyUpstream, Overloaded, TooManyMediaItems, UpstreamError
+from .handles import part_metadata, push_items, transfer_params
 from .logs import logger
 from .metrics import Stats
-from .plan import media_items, plan_calls
-from .protocol import REQUEST_ID_HEADER
-from .surfaces import openai_chat as chat
+from .plan import EncoderCall, media_items, plan_calls
+from .pool import ServerPool
+from .prefill import decode_fields, prefill
+from .protocol import EC_CONSUMER_ZMQ, EC_ITEM_TRANSFER_ID, EC_ITEMS, REQUEST_ID_HEADER
+from .surfaces import ParsedRequest, Surface, Unusable, encode_fields
 from .transport import Transport
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "RequestContext"]
 
 
 _REQUEST_ID = REQUEST_ID_HEADER.decode()
 
 
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """What one request's path needs from the server it runs in."""
+
+    client: Transport
+    request_id: str
+    # Where the local EC connector keeps embeddings as files (ECExampleConnector), to check them.
+    storage: str | None = None
+    # The client's Authorization header, sent on when forward_authorization is on.
+    authorization: str | None = None
+    # Mooncake push: the ZMQ address encoders push this request's embeddings to.
+    push_to: str | None = None
+
+
 @dataclass
 class Pipeline:
-    """Everything a request needs that outlives it: configuration, the encoder pool, statistics."""
+    """Everything a request needs that outlives it: configuration, the server pools, statistics."""
 
     config: EPDConfig
     stats: Stats = field(default_factory=Stats)
-    pool: EncoderPool = field(init=False)
+    encoders: ServerPool = field(init=False)
+    prefill: ServerPool = field(init=False)
+    pending: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.pool = EncoderPool(self.config, self.stats)
+        config = self.config
+        self.encoders = ServerPool("encoder", config.encoders, config, config.encoder_timeout, self.stats)
+        self.prefill = ServerPool("prefill", config.prefill, config, config.prefill_timeout, self.stats)
 
     @property
     def counters(self) -> Counter[str]:
         return self.stats.counters
 
-    def parse(self, body: bytes) -> chat.ChatRequest | None:
+    def parse(self, surface: Surface, body: bytes) -> ParsedRequest | None:
         """The request's media parts, or None when the body passes to the engine unchanged.
 
-        Cheap for bodies without media: a byte scan, no JSON parse.
+        Cheap for bodies without media: a byte scan, no JSON parse. With remote prefill every request
+        goes through P, so every body is parsed.
         """
-        if not chat.may_hold_media(body):
+        with_prefill = bool(self.config.prefill)
+        if not with_prefill and not surface.may_hold_media(body):
             return None
         started = time.perf_counter()
-        request = chat.parse(body)
-        if request is None or not request.media:
+        request = surface.parse(body)
+        if request is None or not (request.media or with_prefill):
             return None
         self.stats.stage("parse", time.perf_counter() - started)
         return request
 
     async def prepare(
-        self,
-        request: chat.ChatRequest,
-        client: Transport,
-        request_id: str,
-        *,
-        storage: str | None = None,
-        authorization: str | None = None,
+        self, surface: Surface, request: ParsedRequest, context: RequestContext
     ) -> bytes | None:
-        """The body the local engine should see, with the handles of the encoded media; None when the
-        original body should go to the engine unchanged after all (it cannot be serialised again).
+        """The body the local engine should see; None when the original body should go to the engine
+        unchanged after all (it cannot be serialised again).
 
         Raises an :class:`~epd_middleware.errors.EPDError` when the request must be answered with an
-        error instead (limits, overload, encoders failing under the 'error' policy).
+        error instead (limits, overload, encoders or prefill servers failing under the 'error' policy).
         """
-        config, pool = self.config, self.pool
+        config = self.config
         if len(request.media) > config.max_media_items:
             raise TooManyMediaItems(len(request.media), config.max_media_items)
-        if pool.pending >= config.max_pending_requests:
+        if self.pending >= config.max_pending_requests:
             raise Overloaded(
-                f"{pool.pending} requests are already waiting for encoders; retry later", config.retry_after
+                f"{self.pending} requests are already waiting for encoders or prefill; retry later",
+                config.retry_after,
             )
-        pool.pending += 1
+        self.pending += 1
         try:
-            return await self._encode_and_rewrite(request, client, request_id, storage, authorization)
-        except chat.Unusable:
+            fields = request.fields
+            notes: list[str] = []
+            if request.media and config.encoders:
+                fields = await self._encode(surface, request, context, notes)
+            if config.prefill:
+                fields = await self._prefill(surface, fields, context, notes, encoded=bool(request.media))
+            body = encode_fields(fields)
+            if notes and logger.isEnabledFor(logging.INFO):
+                logger.info("request %s: %s", context.request_id, "; ".join(notes))
+            return body
+        except Unusable:
             self.stats.request("passed_through")
             return None
         finally:
-            pool.pending -= 1
+            self.pending -= 1
 
-    async def _encode_and_rewrite(
-        self,
-        request: chat.ChatRequest,
-        client: Transport,
-        request_id: str,
-        storage: str | None,
-        authorization: str | None,
-    ) -> bytes:
-        config, pool = self.config, self.pool
+    def _headers(self, context: RequestContext, suffix: str) -> dict[str, str]:
+        headers = {_REQUEST_ID: f"{context.request_id}-{suffix}"}
+        auth = context.authorization if self.config.forward_authorization else None
+        if auth is None:
+            auth = self.config.encoder_authorization
+        if auth is not None:
+            headers["authorization"] = auth
+        return headers
+
+    async def _encode(
+        self, surface: Surface, request: ParsedRequest, context: RequestContext, notes: list[str]
+    ) -> dict[str, Any]:
+        """Encode the request's media on the encoders; the engine request with the handles."""
+        config, pool = self.config, self.encoders
         items, uuids = media_items(
             request.media,
-            trust_client_uuid=config.trust_client_uuid,
+            trust_client_uuid=config.trust_client_uuid and surface.pins_uuids,
             salt=request.cache_salt,
-            encoder_part=chat.encoder_part,
+            encoder_part=surface.encoder_part,
         )
         local = config.on_encoder_failure == "local"
         encoders = pool.available(anyio.current_time())
         if not encoders and not local:
-            raise NoHealthyEncoder("every encoder is failing its calls; retry later", config.retry_after)
+            raise NoHealthyUpstream("every encoder is failing its calls; retry later", config.retry_after)
         calls = (
             plan_calls(items, encoders, pool.reserve(len(items), len(encoders)), config.max_batch_size)
             if encoders
             else ()
         )
-
-        auth = authorization if config.forward_authorization else None
-        if auth is None:
-            auth = config.encoder_authorization
-        headers = []
-        for index in range(len(calls)):
-            call_headers = {_REQUEST_ID: f"{request_id}-enc{index}"}
-            if auth is not None:
-                call_headers["authorization"] = auth
-            headers.append(call_headers)
-
         started = time.perf_counter()
-        outcome = await pool.encode(
-            client,
+        outcome = await encode(
+            pool,
+            context.client,
             calls,
-            [chat.encoder_body(request, [item.part for item in call.items]) for call in calls],
-            headers,
-            storage=storage,
+            self._encoder_requests(surface, request, calls, context.push_to),
+            [self._headers(context, f"enc{index}") for index in range(len(calls))],
+            deadline=config.encode_deadline,
+            storage=context.storage,
             stop_at_first_failure=not local,
         )
         encoded = time.perf_counter()
@@ -139,27 +169,91 @@ class Pipeline:
             reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
             self.stats.fallback(fallen)
             logger.warning(
-                "request %s: %d media item(s) left to the local engine: %s", request_id, fallen, reason
+                "request %s: %d media item(s) left to the local engine: %s",
+                context.request_id,
+                fallen,
+                reason,
             )
 
         keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
         metadata = part_metadata(
-            keys, outcome.handles, rewrite=config.rewrite, keep_raw=request.referenced_modalities
+            keys,
+            outcome.handles,
+            rewrite=config.rewrite and surface.pins_uuids,
+            keep_raw=request.referenced_modalities,
         )
-        body = chat.rewritten_body(request, uuids, metadata, transfer_params(outcome.handles))
+        ec_params = transfer_params(outcome.handles)
+        if context.push_to is not None:
+            ec_params[EC_ITEMS] = push_items(keys, outcome.handles)
+        fields = surface.engine_fields(request, uuids, metadata, ec_params)
         rewritten = time.perf_counter()
         self.stats.stage("rewrite", rewritten - encoded)
         if not fallen:
             self.stats.encoded(len(items), len(calls))
         if logger.isEnabledFor(logging.INFO):
-            logger.info(
-                "request %s: %d media item(s), %d encoder call(s) to %s; encode %.1f ms, rewrite %.2f ms%s",
-                request_id,
-                len(items),
-                len(calls),
-                ", ".join(sorted({call.encoder for call in calls})) or "none",
-                (encoded - started) * 1000,
-                (rewritten - encoded) * 1000,
-                f"; {fallen} left to the local engine" if fallen else "",
+            used = ", ".join(sorted({call.encoder for call in calls})) or "none"
+            notes.append(
+                f"{len(items)} media item(s), {len(calls)} encoder call(s) to {used}; "
+                f"encode {(encoded - started) * 1000:.1f} ms, rewrite {(rewritten - encoded) * 1000:.2f} ms"
+                + (f"; {fallen} left to the local engine" if fallen else "")
             )
-        return body
+        return fields
+
+    @staticmethod
+    def _encoder_requests(
+        surface: Surface, request: ParsedRequest, calls: tuple[EncoderCall, ...], push_to: str | None
+    ) -> Callable[[EncoderCall], EncoderRequest]:
+        """How each encoder call's body is made, per try."""
+        if push_to is None:
+            # Built once: every try of a call sends the same body.
+            built = {id(call): EncoderRequest(surface.encoder_body(request, _parts(call))) for call in calls}
+            return lambda call: built[id(call)]
+
+        def pushed(call: EncoderCall) -> EncoderRequest:
+            # A fresh transfer id per item and per try: a push the failed encoder may have begun must
+            # never be confused with the retry's.
+            ids = tuple(uuid_module.uuid4().hex for _ in call.items)
+            params = {EC_CONSUMER_ZMQ: push_to, EC_ITEMS: [{EC_ITEM_TRANSFER_ID: tid} for tid in ids]}
+            return EncoderRequest(surface.encoder_body(request, _parts(call), params), ids)
+
+        return pushed
+
+    async def _prefill(
+        self,
+        surface: Surface,
+        fields: dict[str, Any],
+        context: RequestContext,
+        notes: list[str],
+        *,
+        encoded: bool,
+    ) -> dict[str, Any]:
+        """Prefill the engine request remotely; the decode request for the local engine."""
+        config = self.config
+        started = time.perf_counter()
+        try:
+            kv_params = await prefill(
+                self.prefill,
+                context.client,
+                surface.path,
+                fields,
+                self._headers(context, "prefill"),
+                retry_after=config.retry_after,
+            )
+        except (UpstreamError, NoHealthyUpstream) as exc:
+            rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad
+            if config.on_prefill_failure != "local" or rejected:
+                raise
+            self.stats.request("prefill_fallback")
+            logger.warning("request %s: prefilled by the local engine: %s", context.request_id, exc.message)
+            return decode_fields(fields, None)
+        elapsed = time.perf_counter() - started
+        self.stats.stage("prefill", elapsed)
+        if not encoded:
+            self.stats.request("prefilled")
+        if logger.isEnabledFor(logging.INFO):
+            notes.append(f"prefill {elapsed * 1000:.1f} ms")
+        return decode_fields(fields, kv_params)
+
+
+def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:
+    return [item.part for item in call.items]

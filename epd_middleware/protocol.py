@@ -3,12 +3,17 @@
 Sources in vLLM: ``renderers/chat_utils.py`` (content parts, the uuid rule, the raw/embeds mixing rule),
 ``entrypoints/openai/chat_completion/protocol.py`` (request fields),
 ``distributed/ec_transfer/ec_connector/utils.py`` (the ``ec_transfer_params`` entries an encoder reports),
-``multimodal/processing/inputs.py`` (a uuid plus per-request options gives a new, derived hash).
+``multimodal/processing/inputs.py`` (a uuid plus per-request options gives a new, derived hash),
+``distributed/kv_transfer/kv_connector/v1/`` (the P/D ``kv_transfer_params``),
+``distributed/ec_transfer/ec_connector/mooncake/`` (Mooncake push: ``consumer_zmq``, ``ec_items``).
+Where media sits in each request surface (chat completions, Anthropic Messages) is the business of that
+surface's adapter in :mod:`epd_middleware.surfaces`.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from dataclasses import dataclass
+from typing import Any, Final
 
 # Content part type -> (modality, key of the media inside ``part[type]``). The media sits in an object
 # under the part's type (``{"type": "image_url", "image_url": {"url": ...}}``); ``input_audio`` holds
@@ -52,6 +57,10 @@ FORWARDED_OPTIONS: Final[tuple[str, ...]] = (
     "session_id",
 )
 
+# Encoders are always driven through chat completions, whatever surface the client used.
+CHAT_COMPLETIONS_PATH: Final = "/v1/chat/completions"
+MESSAGES_PATH: Final = "/v1/messages"
+
 MODEL: Final = "model"
 MESSAGES: Final = "messages"
 CONTENT: Final = "content"
@@ -63,6 +72,36 @@ EC_TRANSFER_PARAMS: Final = "ec_transfer_params"
 # Inside one ec_transfer_params entry reported by an encoder.
 ITEM_INDICES: Final = "item_indices"
 METADATA: Final = "metadata"
+
+# Remote prefill (P/D disaggregation). The prefill request asks P to keep the KV cache for a remote
+# decoder and to stop after one token (vLLM's P/D proxies: tests/v1/kv_connector/nixl_integration/
+# toy_proxy_server.py); P's answer carries the kv_transfer_params the decoder needs.
+KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+PREFILL_KV_TRANSFER_PARAMS: Final[dict[str, Any]] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+MAX_TOKENS: Final = "max_tokens"
+MAX_COMPLETION_TOKENS: Final = "max_completion_tokens"
+STREAM: Final = "stream"
+STREAM_OPTIONS: Final = "stream_options"
+# vLLM rejects min_tokens above max_tokens, and the prefill request has max_tokens 1.
+MIN_TOKENS: Final = "min_tokens"
+
+# Mooncake push (ECMooncakeConnector): the encoder request names the consumer to push to and one
+# transfer id per item; the consumer's request names, per item, the reported hash and that transfer id.
+EC_CONSUMER_ZMQ: Final = "consumer_zmq"
+EC_ITEMS: Final = "ec_items"
+EC_ITEM_TRANSFER_ID: Final = "transfer_id"
+EC_ITEM_MM_HASH: Final = "mm_hash"
+MOONCAKE_EC_CONNECTOR: Final = "ECMooncakeConnector"
+
+# vLLM sends a request to the data-parallel engine this header names (``_get_data_parallel_rank``).
+DATA_PARALLEL_RANK_HEADER: Final = b"x-data-parallel-rank"
 
 # vLLM takes the request id from this header (``_base_request_id``); E and PD logs join on it.
 REQUEST_ID_HEADER: Final = b"x-request-id"
@@ -83,3 +122,46 @@ def example_connector_storage(vllm_config: object) -> str | None:
     extra = getattr(ec, "ec_connector_extra_config", None) or {}
     path = extra.get("shared_storage_path", "/tmp") if isinstance(extra, dict) else "/tmp"
     return str(path)
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeConsumers:
+    """Where encoders push embeddings for this server: one ZMQ address per data-parallel rank it runs.
+
+    ``pin``: the server chooses among several engines, so the request must be sent to the rank whose
+    address the encoder was given (``X-data-parallel-rank``).
+    """
+
+    by_rank: dict[int, str]
+    pin: bool
+
+
+def mooncake_consumers(vllm_config: object) -> MooncakeConsumers | None:
+    """The consumer addresses of this server's ECMooncakeConnector, if that is its connector.
+
+    ``distributed/ec_transfer/ec_connector/mooncake/config.py`` (``MooncakeECConfig.from_vllm_config``):
+    an engine's control socket listens on ``tcp://<ec_ip>:<ec_port + data_parallel_index *
+    tensor_parallel_size>``, ``data_parallel_index`` being its data-parallel rank
+    (``config/parallel.py``), and the producer pushes to the ``consumer_zmq`` of the encoder request
+    (``mooncake/scheduler.py`` ``_prepare_push_spec``). The ranks this API server runs are
+    ``data_parallel_rank`` .. ``+ data_parallel_size_local``: all of them on a single node, the node's
+    own with hybrid or external load balancing.
+    """
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is None or getattr(ec, "ec_connector", None) != MOONCAKE_EC_CONNECTOR:
+        return None
+    if getattr(ec, "ec_role", None) not in ("ec_consumer", "ec_both"):
+        return None
+    parallel = getattr(vllm_config, "parallel_config", None)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    first = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    local = getattr(parallel, "data_parallel_size_local", None)
+    count = int(local) if local else dp
+    if getattr(parallel, "data_parallel_external_lb", False):
+        count = 1
+    host, port = str(ec.ec_ip), int(ec.ec_port)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal, as vLLM's make_zmq_path writes it
+    by_rank = {rank: f"tcp://{host}:{port + rank * tp}" for rank in range(first, first + count)}
+    return MooncakeConsumers(by_rank, pin=dp > 1 and count > 1)

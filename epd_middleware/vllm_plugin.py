@@ -4,7 +4,7 @@ Enable with ``VLLM_PLUGINS=epd``; configure with ``EPD_*`` variables. ``attach_r
 adds its CORS and API-key middleware (``vllm/entrypoints/launchers/app.py``), and Starlette puts later
 middleware outside earlier ones, so the middleware sits inside vLLM's authentication: a request without
 a valid key is refused before any encoder work. ``init_state`` then checks, before the server takes
-requests, that this server is an EC consumer.
+requests, that this server is an EC consumer (with encoders) and a KV consumer (with remote prefill).
 
 vLLM is imported by vLLM, not here: the package imports without it.
 """
@@ -40,13 +40,14 @@ class EPDPlugin:
         self.config = config
         app.add_middleware(EPDMiddleware, config=config)
         logger.info(
-            "epd: encoder disaggregation over %d encoder(s): %s",
-            len(self.config.encoders),
-            ", ".join(self.config.encoders),
+            "epd: encoder disaggregation over %d encoder(s): %s%s",
+            len(config.encoders),
+            ", ".join(config.encoders) or "none",
+            f"; remote prefill on {', '.join(config.prefill)}" if config.prefill else "",
         )
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        check_server(getattr(state, "vllm_config", None))
+        check_server(getattr(state, "vllm_config", None), self.config)
         if not getattr(args, "trust_request_mm_kwargs", True):
             # Not fatal: deployments whose clients never send options work without it.
             logger.warning(
@@ -56,12 +57,24 @@ class EPDPlugin:
             )
 
 
-def check_server(vllm_config: Any) -> None:
-    """Fail start-up with a clear message unless this server consumes encoder caches (EC consumer)."""
+def check_server(vllm_config: Any, config: EPDConfig | None = None) -> None:
+    """Fail start-up with a clear message unless this server consumes encoder caches (EC consumer, when
+    there are encoders) and KV caches (KV consumer, when there are prefill servers)."""
     if vllm_config is None:
         raise RuntimeError(
             "epd: the endpoint plugin needs a vLLM server with an engine (no vllm_config found)"
         )
+    if config is not None and config.prefill:
+        kv = getattr(vllm_config, "kv_transfer_config", None)
+        role = getattr(kv, "kv_role", None)
+        if role not in ("kv_consumer", "kv_both"):
+            raise RuntimeError(
+                f"epd: EPD_PREFILL is set, so this server decodes what the prefill servers computed, but its "
+                f"kv_role is {role!r}; start it with --kv-transfer-config "
+                '\'{"kv_connector": ..., "kv_role": "kv_consumer", ...}\''
+            )
+    if config is not None and not config.encoders:
+        return
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is None or getattr(ec, "ec_connector", None) is None:
         raise RuntimeError(

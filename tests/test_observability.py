@@ -35,7 +35,7 @@ async def test_metrics_count_requests_calls_failovers_and_fallbacks() -> None:
         "error": sample("epd_requests_total", outcome="error_502"),
         "ok_calls": sample("epd_encoder_call_duration_seconds_count", encoder=E0, outcome="ok"),
         "bad_calls": sample("epd_encoder_call_duration_seconds_count", encoder=E1, outcome="status"),
-        "failovers": sample("epd_encoder_failovers_total", encoder=E1),
+        "encoder_failovers": sample("epd_encoder_failovers_total", encoder=E1),
         "fallback_items": sample("epd_fallback_items_total"),
         "items": sample("epd_request_media_items_sum"),
         "encode_stage": sample("epd_stage_duration_seconds_count", stage="encode"),
@@ -64,7 +64,7 @@ async def test_metrics_count_requests_calls_failovers_and_fallbacks() -> None:
         sample("epd_encoder_call_duration_seconds_count", encoder=E1, outcome="status")
         == before["bad_calls"] + 3
     )
-    assert sample("epd_encoder_failovers_total", encoder=E1) == before["failovers"] + 1
+    assert sample("epd_encoder_failovers_total", encoder=E1) == before["encoder_failovers"] + 1
     assert sample("epd_fallback_items_total") == before["fallback_items"] + 1
     assert sample("epd_request_media_items_sum") == before["items"] + 2
     assert sample("epd_stage_duration_seconds_count", stage="encode") >= before["encode_stage"] + 2
@@ -125,7 +125,7 @@ async def test_status_endpoint() -> None:
     assert body["encoders"][E1]["healthy"] is False
     assert body["encoders"][E1]["consecutive_failures"] == 1
     assert body["counters"]["encoded"] == 1
-    assert body["counters"]["failovers"] == 1
+    assert body["counters"]["encoder_failovers"] == 1
     assert body["pending_requests"] == 0
     assert body["config"]["encoders"] == [E0, E1]
     assert "secret-enc" not in status.text
@@ -146,9 +146,9 @@ def test_stats_without_prometheus_is_a_no_op() -> None:
     stats = Stats()
     stats._prom = None
     stats.request("encoded")
-    stats.encoder_call(E0, "ok", 0.1)
-    stats.in_flight(E0, 1)
-    stats.encoder_health(E0, False)
+    stats.call("encoder", E0, "ok", 0.1)
+    stats.in_flight("encoder", E0, 1)
+    stats.health("encoder", E0, False)
     assert stats.counters == {"encoded": 1, "encoder_calls_ok": 1}
 
 
@@ -160,8 +160,8 @@ def test_metrics_aggregate_across_api_server_processes(tmp_path: Path) -> None:
         from epd_middleware.metrics import Stats
         stats = Stats()
         stats.request("encoded")
-        stats.encoder_health("{E0}", {{healthy}})
-        stats.in_flight("{E0}", 2)
+        stats.health("encoder", "{E0}", {{healthy}})
+        stats.in_flight("encoder", "{E0}", 2)
         import time; time.sleep(0.1)
         """
     )

@@ -111,7 +111,7 @@ async def test_consecutive_failures_eject_an_encoder_and_cooldown_grows() -> Non
 
 
 def _pool(stack: Any) -> Any:
-    return _middleware(stack).pipeline.pool
+    return _middleware(stack).pipeline.encoders
 
 
 async def test_health_probes_run_from_the_lifespan() -> None:
@@ -140,11 +140,11 @@ async def test_health_probes_run_from_the_lifespan() -> None:
             middleware, {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send
         )
         with anyio.fail_after(5):
-            while middleware.pipeline.pool.snapshot(anyio.current_time())[E1]["healthy"]:  # noqa: ASYNC110 (polling health the probe changes)
+            while middleware.pipeline.encoders.snapshot(anyio.current_time())[E1]["healthy"]:  # noqa: ASYNC110 (polling health the probe changes)
                 await anyio.sleep(0.01)
         encoders.mode[E1] = "ok"
         with anyio.fail_after(5):
-            while not middleware.pipeline.pool.snapshot(anyio.current_time())[E1]["healthy"]:  # noqa: ASYNC110
+            while not middleware.pipeline.encoders.snapshot(anyio.current_time())[E1]["healthy"]:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         shutdown.set()
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]

@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from epd_middleware import EncoderBadReply, EPDConfig, EPDMiddleware
+from epd_middleware import UpstreamBadReply, EPDConfig, EPDMiddleware
 from epd_middleware.handles import Handle, match_reply, part_metadata, transfer_params
 from epd_middleware.plan import EncoderCall, MediaItem, content_uuid, plan_calls
+from epd_middleware.surfaces import ParsedRequest
 from epd_middleware.surfaces import openai_chat as chat
 
 E0, E1, E2 = "http://enc-0:8001", "http://enc-1:8001", "http://enc-2:8001"
@@ -108,7 +109,7 @@ async def _noop_app(scope: Any, receive: Any, send: Any) -> None:
 # --- surface ----------------------------------------------------------------------------------------
 
 
-def parse(body: Any) -> chat.ChatRequest | None:
+def parse(body: Any) -> ParsedRequest | None:
     return chat.parse(json.dumps(body).encode())
 
 
@@ -143,7 +144,7 @@ def test_parse_finds_every_media_part_kind_vllm_accepts() -> None:
     }
     request = parse(body)
     assert request is not None
-    found = [(m.message_index, m.part_index, m.modality, m.content, m.client_uuid) for m in request.media]
+    found = [(*m.location, m.modality, m.content, m.client_uuid) for m in request.media]
     assert found == [
         (1, 2, "image", ("data:a",), None),
         (1, 3, "image", ("data:no-type",), None),
@@ -178,7 +179,7 @@ def test_forwarded_options_are_taken_verbatim() -> None:
         }
     )
     assert request is not None
-    assert request.forwarded_options() == {
+    assert chat.forwarded_options(request) == {
         "mm_processor_kwargs": {"a": 1},
         "media_io_kwargs": {"image": {"b": 2}},
         "priority": 0,
@@ -262,9 +263,10 @@ def test_plan_sends_audio_and_video_alone() -> None:
 
 
 def test_pool_cursor_spreads_single_item_requests_evenly() -> None:
-    from epd_middleware.encoders import EncoderPool
+    from epd_middleware.pool import ServerPool
 
-    pool = EncoderPool(EPDConfig(encoders=(E0, E1, E2)))
+    config = EPDConfig(encoders=(E0, E1, E2))
+    pool = ServerPool("encoder", config.encoders, config, config.encoder_timeout)
     counts = {E0: 0, E1: 0, E2: 0}
     for _ in range(30):
         [call] = plan_calls(items("image"), pool.urls, pool.reserve(1, 3), 8)
@@ -307,9 +309,9 @@ def test_match_by_item_indices_then_uuid_then_lone_entry() -> None:
     ],
 )
 def test_unusable_replies_name_the_encoder(params: Any, reason: str) -> None:
-    with pytest.raises(EncoderBadReply, match=reason) as info:
+    with pytest.raises(UpstreamBadReply, match=reason) as info:
         match_reply(*call(2, E1), params)
-    assert info.value.encoder == E1
+    assert info.value.server == E1
     assert E1 in info.value.message
 
 

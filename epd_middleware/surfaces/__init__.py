@@ -1,1 +1,126 @@
-"""Request surfaces: one adapter per request format, each knowing where media sits in its bodies."""
+"""Request surfaces: where media sits in a request body and how the body is written back for the engine.
+
+Each surface (OpenAI chat completions, Anthropic Messages) is one adapter module that holds all its
+protocol knowledge; the pipeline drives any of them through :class:`Surface` and never looks inside a
+body itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+
+from epd_middleware import protocol as p
+
+__all__ = ["MediaPart", "ParsedRequest", "Surface", "Unusable", "encode_fields"]
+
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """One content part (or block) that carries media, where it sits, and the text that identifies it.
+
+    ``part`` is the part as an encoder receives it (a chat-completions content part); ``location`` is
+    the surface's own address of the part in the body.
+    """
+
+    location: tuple[int, ...]
+    modality: str
+    part: Mapping[str, Any]
+    # The media as the client sent it (URL text, or input_audio data and format): what the content uuid
+    # hashes. Never decoded: hashing the base64 text is cheaper and identifies the media as well.
+    content: tuple[str, ...]
+    client_uuid: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    fields: dict[str, Any]
+    media: tuple[MediaPart, ...]
+    # Modalities with a part that references earlier media by uuid alone: vLLM counts it as raw media,
+    # so the other parts of that modality must stay raw too (no mixing of raw and embeds).
+    referenced_modalities: frozenset[str] = frozenset()
+
+    @property
+    def cache_salt(self) -> str | None:
+        salt = self.fields.get(p.CACHE_SALT)
+        return salt if isinstance(salt, str) else None
+
+
+class Unusable(Exception):
+    """The body's shape is off where the middleware must look: hand it to vLLM unchanged."""
+
+
+class Surface(Protocol):
+    """What the pipeline needs of a request surface."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def path(self) -> str:
+        """The path vLLM serves this surface on: where a prefill request of it goes."""
+        ...
+
+    @property
+    def pins_uuids(self) -> bool:
+        """True when the engine's parts carry the uuid the encoder was sent (and may become metadata-only
+        references); False when the engine hashes the media itself, so the encoder must be sent no uuid
+        and no per-request options."""
+        ...
+
+    def may_hold_media(self, body: bytes) -> bool:
+        """False only when the body surely holds no media: decides the no-parse pass-through."""
+        ...
+
+    def parse(self, body: bytes) -> ParsedRequest | None:
+        """The media parts of a body, or None when the body should pass through as it is."""
+        ...
+
+    def encoder_part(self, media: MediaPart, uuid: str) -> dict[str, Any]:
+        """The part as an encoder receives it."""
+        ...
+
+    def encoder_body(
+        self,
+        request: ParsedRequest,
+        parts: Sequence[Mapping[str, Any]],
+        ec_transfer_params: Mapping[str, Any] | None = None,
+    ) -> bytes:
+        """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
+        ...
+
+    def engine_fields(
+        self,
+        request: ParsedRequest,
+        uuids: Sequence[str],
+        metadata: Sequence[Mapping[str, Any] | None],
+        ec_transfer_params: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The body for the local engine (and a prefill server), as fields."""
+        ...
+
+
+def encode_fields(fields: Any) -> bytes:
+    """Serialise a body; :class:`Unusable` when it cannot be written again (too deep at this stack)."""
+    try:
+        return _encode(fields)
+    except (RecursionError, msgspec.EncodeError, OverflowError) as exc:
+        # Decodable but too deep to encode again at this stack depth: vLLM judges it as sent.
+        raise Unusable from exc
+
+
+def decode_object(body: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, None when it is not one (vLLM answers it with its own 400)."""
+    try:
+        fields = _decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+_decode = msgspec.json.Decoder().decode

@@ -7,26 +7,23 @@ which answers it with its own 400; the middleware never guesses at a half-unders
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from epd_middleware import protocol as p
 
+from . import MediaPart, ParsedRequest, Unusable, decode_object, encode_fields
+
 __all__ = [
-    "ChatRequest",
-    "MediaPart",
-    "Unusable",
+    "SURFACE",
+    "ChatCompletions",
     "encoder_body",
     "encoder_part",
+    "engine_fields",
+    "forwarded_options",
     "may_hold_media",
     "parse",
     "rewritten_body",
 ]
-
-_decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder().encode
 
 
 def may_hold_media(body: bytes) -> bool:
@@ -52,57 +49,10 @@ def may_hold_media(body: bytes) -> bool:
     return b"_url" in body or b"_audio" in body
 
 
-@dataclass(frozen=True, slots=True)
-class MediaPart:
-    """One content part that carries media, where it sits, and the text that identifies its media."""
-
-    message_index: int
-    part_index: int
-    modality: str
-    part: Mapping[str, Any]
-    # The media as the client sent it (URL text, or input_audio data and format): what the content uuid
-    # hashes. Never decoded: hashing the base64 text is cheaper and identifies the media as well.
-    content: tuple[str, ...]
-    client_uuid: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    fields: dict[str, Any]
-    media: tuple[MediaPart, ...]
-    # Modalities with a part that references earlier media by uuid alone: vLLM counts it as raw media,
-    # so the other parts of that modality must stay raw too (no mixing of raw and embeds).
-    referenced_modalities: frozenset[str]
-
-    @property
-    def cache_salt(self) -> str | None:
-        salt = self.fields.get(p.CACHE_SALT)
-        return salt if isinstance(salt, str) else None
-
-    def forwarded_options(self) -> dict[str, Any]:
-        """The per-request options the encoder must see exactly as the local engine does."""
-        return {name: self.fields[name] for name in p.FORWARDED_OPTIONS if name in self.fields}
-
-
-class Unusable(Exception):
-    """The body's shape is off where the middleware must look: hand it to vLLM unchanged."""
-
-
-def _encode_or_unusable(value: Any) -> bytes:
-    try:
-        return _encode(value)
-    except (RecursionError, msgspec.EncodeError, OverflowError) as exc:
-        # Decodable but too deep to encode again at this stack depth: vLLM judges it as sent.
-        raise Unusable from exc
-
-
-def parse(body: bytes) -> ChatRequest | None:
+def parse(body: bytes) -> ParsedRequest | None:
     """The media parts of a chat-completions body, or None when the body should pass through as it is."""
-    try:
-        fields = _decode(body)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    if not isinstance(fields, dict):
+    fields = decode_object(body)
+    if fields is None:
         return None
     try:
         return _find_media(fields)
@@ -110,7 +60,7 @@ def parse(body: bytes) -> ChatRequest | None:
         return None
 
 
-def _find_media(fields: dict[str, Any]) -> ChatRequest:
+def _find_media(fields: dict[str, Any]) -> ParsedRequest:
     messages = fields.get(p.MESSAGES)
     if not isinstance(messages, list):
         raise Unusable
@@ -138,8 +88,8 @@ def _find_media(fields: dict[str, Any]) -> ChatRequest:
             client_uuid = part.get(p.UUID)
             if client_uuid is not None and not isinstance(client_uuid, str):
                 raise Unusable
-            media.append(MediaPart(message_index, part_index, modality, part, media_content, client_uuid))
-    return ChatRequest(fields, tuple(media), frozenset(referenced))
+            media.append(MediaPart((message_index, part_index), modality, part, media_content, client_uuid))
+    return ParsedRequest(fields, tuple(media), frozenset(referenced))
 
 
 def _part_kind(part: Mapping[str, Any]) -> str | None:
@@ -182,31 +132,42 @@ def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str, ...] | None] | N
     return modality, (url,)
 
 
+def forwarded_options(request: ParsedRequest) -> dict[str, Any]:
+    """The per-request options the encoder must see exactly as the local engine does."""
+    return {name: request.fields[name] for name in p.FORWARDED_OPTIONS if name in request.fields}
+
+
 def encoder_part(media: MediaPart, uuid: str) -> dict[str, Any]:
     """The part as an encoder receives it: the client's part with the item's uuid."""
     return {**media.part, p.UUID: uuid}
 
 
-def encoder_body(request: ChatRequest, parts: Sequence[Mapping[str, Any]]) -> bytes:
+def encoder_body(
+    request: ParsedRequest,
+    parts: Sequence[Mapping[str, Any]],
+    ec_transfer_params: Mapping[str, Any] | None = None,
+) -> bytes:
     """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
     body: dict[str, Any] = {
         p.MODEL: request.fields.get(p.MODEL),
         p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
-        "stream": False,
+        p.STREAM: False,
         # Harmless on an encoder-only instance, and keeps a full instance used as encoder from decoding.
-        "max_tokens": 1,
+        p.MAX_TOKENS: 1,
     }
-    body.update(request.forwarded_options())
-    return _encode_or_unusable(body)
+    body.update(forwarded_options(request))
+    if ec_transfer_params:
+        body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
+    return encode_fields(body)
 
 
-def rewritten_body(
-    request: ChatRequest,
+def engine_fields(
+    request: ParsedRequest,
     uuids: Sequence[str],
     metadata: Sequence[Mapping[str, Any] | None],
     ec_transfer_params: Mapping[str, Any],
-) -> bytes:
-    """The body for the local engine.
+) -> dict[str, Any]:
+    """The body for the local engine, as fields.
 
     ``uuids[i]`` and ``metadata[i]`` belong to ``request.media[i]``: a part with metadata becomes a
     metadata-only reference, one without stays raw with its uuid pinned, so the local engine derives the
@@ -216,18 +177,45 @@ def rewritten_body(
     messages = list(fields[p.MESSAGES])
     copied: set[int] = set()
     for media, uuid, meta in zip(request.media, uuids, metadata, strict=True):
-        if media.message_index not in copied:
-            message = dict(messages[media.message_index])
+        message_index, part_index = media.location
+        if message_index not in copied:
+            message = dict(messages[message_index])
             message[p.CONTENT] = list(message[p.CONTENT])
-            messages[media.message_index] = message
-            copied.add(media.message_index)
-        content = messages[media.message_index][p.CONTENT]
+            messages[message_index] = message
+            copied.add(message_index)
+        content = messages[message_index][p.CONTENT]
         if meta is None:
-            content[media.part_index] = {**media.part, p.UUID: uuid}
+            content[part_index] = {**media.part, p.UUID: uuid}
         else:
             kind = p.embeds_type(media.modality)
-            content[media.part_index] = {p.TYPE: kind, kind: meta, p.UUID: uuid}
+            content[part_index] = {p.TYPE: kind, kind: meta, p.UUID: uuid}
     fields[p.MESSAGES] = messages
     if ec_transfer_params:
         fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
-    return _encode_or_unusable(fields)
+    return fields
+
+
+def rewritten_body(
+    request: ParsedRequest,
+    uuids: Sequence[str],
+    metadata: Sequence[Mapping[str, Any] | None],
+    ec_transfer_params: Mapping[str, Any],
+) -> bytes:
+    """:func:`engine_fields`, serialised."""
+    return encode_fields(engine_fields(request, uuids, metadata, ec_transfer_params))
+
+
+class ChatCompletions:
+    """The chat-completions surface, for the pipeline."""
+
+    name = "chat"
+    path = p.CHAT_COMPLETIONS_PATH
+    pins_uuids = True
+    may_hold_media = staticmethod(may_hold_media)
+    parse = staticmethod(parse)
+    encoder_part = staticmethod(encoder_part)
+    encoder_body = staticmethod(encoder_body)
+    engine_fields = staticmethod(engine_fields)
+
+
+SURFACE = ChatCompletions()

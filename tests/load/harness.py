@@ -258,7 +258,7 @@ async def run_scenario(
     return {
         "backend": backend,
         "rounds": rounds_out,
-        "encoder_health": app.pipeline.pool.snapshot(anyio.current_time()),
+        "encoder_health": app.pipeline.encoders.snapshot(anyio.current_time()),
         "counters": dict(app.pipeline.counters),
         "leaks": {
             "tasks_left_after_load": tasks_after_load - tasks_serving,

@@ -1,0 +1,279 @@
+"""A pool of remote vLLM servers of one role (encoders, prefill servers) and how calls to them fail over.
+
+It owns what every pool needs and nothing about what the calls carry: the round-robin cursor, passive
+health (consecutive failures eject a server for a cool-down that doubles while it keeps failing), active
+health probes, the bound on calls in flight per server, and failover of a failed call to another server
+of the pool. The encoder and prefill stages build the bodies and read the replies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+import msgspec
+
+from .config import EPDConfig
+from .errors import (
+    RETRYABLE_STATUSES,
+    UpstreamBadReply,
+    UpstreamError,
+    UpstreamRejected,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from .logs import logger
+from .metrics import Stats
+from .transport import HTTPError, Transport
+
+__all__ = ["Attempt", "ServerPool"]
+
+T = TypeVar("T")
+
+_decode_reply = msgspec.json.Decoder().decode
+_JSON = "application/json"
+_MAX_DETAIL = 300
+
+
+@dataclass
+class _Health:
+    failures: int = 0
+    ejected_until: float = 0.0
+    cooldown: float = 0.0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt(Generic[T]):
+    """One try of a call: the body to POST, and how to read the server's JSON object answer.
+
+    Built afresh for every try, so a retry on another server never reuses what belonged to the failed
+    one (Mooncake transfer ids, say). ``read`` raises :class:`UpstreamBadReply` for an unusable answer.
+    """
+
+    body: bytes
+    read: Callable[[str, dict[str, Any]], T]
+
+
+@dataclass
+class ServerPool:
+    """The servers of one role, their health and their limits. One per middleware, so one per
+    API-server process."""
+
+    role: str
+    urls: tuple[str, ...]
+    config: EPDConfig
+    timeout: float
+    stats: Stats = field(default_factory=Stats)
+    _health: dict[str, _Health] = field(init=False)
+    _limiters: dict[str, anyio.CapacityLimiter] = field(init=False, default_factory=dict)
+    _next: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self._health = {url: _Health() for url in self.urls}
+        for url in self.urls:
+            self.stats.health(self.role, url, True)
+
+    # --- selection -------------------------------------------------------------------------------
+
+    def available(self, now: float) -> tuple[str, ...]:
+        """Servers not ejected at ``now``; an ejected one comes back for a trial when its cool-down ends."""
+        return tuple(url for url, health in self._health.items() if health.ejected_until <= now)
+
+    def reserve(self, count: int, among: int) -> int:
+        """Claim ``count`` consecutive slots of the round-robin cursor over ``among`` servers.
+
+        No await between the read and the write, so concurrent requests on one event loop never get the
+        same slots. Each API-server process has its own pool and cursor.
+        """
+        start = self._next
+        self._next = (start + count) % max(among, 1)
+        return start
+
+    def pick(self, now: float) -> str | None:
+        """The next available server in round-robin order, None when every one is ejected."""
+        return self.failover_target((), now)
+
+    def failover_target(self, tried: Sequence[str], now: float) -> str | None:
+        """The next available server not yet tried for this call."""
+        candidates = [url for url in self.available(now) if url not in tried]
+        if not candidates:
+            return None
+        return candidates[self.reserve(1, len(candidates)) % len(candidates)]
+
+    # --- health ----------------------------------------------------------------------------------
+
+    def record_success(self, url: str) -> None:
+        health = self._health[url]
+        if health.ejected_until:
+            logger.info("%s %s is back", self.role, url)
+            self.stats.health(self.role, url, True)
+        health.failures = 0
+        health.ejected_until = 0.0
+        health.cooldown = 0.0
+
+    def record_failure(self, url: str, now: float, reason: str) -> None:
+        health = self._health[url]
+        health.failures += 1
+        if health.failures >= self.config.eject_after and health.ejected_until <= now:
+            config = self.config
+            health.cooldown = min(health.cooldown * 2 or config.eject_cooldown, config.max_eject_cooldown)
+            health.ejected_until = now + health.cooldown
+            self.stats.health(self.role, url, False)
+            logger.warning(
+                "%s %s ejected for %.1f s after %d failures in a row (last: %s)",
+                self.role,
+                url,
+                health.cooldown,
+                health.failures,
+                reason,
+            )
+
+    def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
+        """Health and load of every server, for status pages and tests."""
+        return {
+            url: {
+                "healthy": health.ejected_until <= now,
+                "consecutive_failures": health.failures,
+                "ejected_for_s": max(0.0, health.ejected_until - now),
+                "in_flight": health.in_flight,
+            }
+            for url, health in self._health.items()
+        }
+
+    async def probe(self, client: Transport, headers: Mapping[str, str]) -> None:
+        """GET /health on every server once, concurrently; brings recovered servers back."""
+
+        async def one(url: str) -> None:
+            try:
+                with anyio.fail_after(self.config.health_check_timeout):
+                    status, _ = await client.request("GET", f"{url}/health", headers=headers)
+                ok = status == 200
+                reason = f"health check HTTP {status}"
+            except TimeoutError:
+                ok, reason = False, "health check timed out"
+            except HTTPError as exc:
+                ok, reason = False, f"health check failed: {exc.reason}"
+            if ok:
+                self.record_success(url)
+            else:
+                self.record_failure(url, anyio.current_time(), reason)
+
+        async with anyio.create_task_group() as group:
+            for url in self.urls:
+                group.start_soon(one, url)
+
+    async def probe_forever(self, client: Transport, headers: Mapping[str, str]) -> None:
+        interval = self.config.health_check_interval
+        if interval <= 0 or not self.urls:
+            return
+        while True:
+            await anyio.sleep(interval)
+            await self.probe(client, headers)
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    def _limiter(self, url: str) -> anyio.CapacityLimiter:
+        # Created on first use: anyio primitives belong to the event loop that runs the app.
+        limiter = self._limiters.get(url)
+        if limiter is None:
+            limiter = self._limiters[url] = anyio.CapacityLimiter(self.config.max_inflight_per_encoder)
+        return limiter
+
+    async def call(
+        self,
+        client: Transport,
+        first: str,
+        path: str,
+        attempt: Callable[[], Attempt[T]],
+        headers: Mapping[str, str],
+    ) -> T:
+        """POST to ``first``, then to other available servers while the call fails in a way another
+        server may not (up to ``max_attempts`` servers). A rejection of the request itself is raised at
+        once; the last failure is raised when no server is left."""
+        tried: list[str] = []
+        server: str | None = first
+        last: UpstreamError | None = None
+        while server is not None and len(tried) < self.config.max_attempts:
+            tried.append(server)
+            started = time.perf_counter()
+            try:
+                result = await self._call_once(client, server, path, attempt(), headers)
+            except UpstreamError as exc:
+                self.stats.call(self.role, server, exc.outcome, time.perf_counter() - started)
+                if not exc.retryable:
+                    raise
+                last = exc
+                now = anyio.current_time()
+                self.record_failure(server, now, exc.reason)
+                failed, server = server, self.failover_target(tried, now)
+                if server is not None:
+                    self.stats.failover(self.role, failed)
+                logger.warning(
+                    "%s%s",
+                    exc.message,
+                    f"; retrying on {server}" if server else f"; no {self.role} left to try",
+                )
+                continue
+            self.stats.call(self.role, server, "ok", time.perf_counter() - started)
+            self.record_success(server)
+            return result
+        assert last is not None
+        raise last
+
+    async def _call_once(
+        self, client: Transport, server: str, path: str, attempt: Attempt[T], headers: Mapping[str, str]
+    ) -> T:
+        role, health, timeout = self.role, self._health[server], self.timeout
+        try:
+            with anyio.fail_after(timeout):
+                async with self._limiter(server):
+                    health.in_flight += 1
+                    self.stats.in_flight(role, server, 1)
+                    try:
+                        status, content = await client.request(
+                            "POST", f"{server}{path}", attempt.body, {"content-type": _JSON, **headers}
+                        )
+                    finally:
+                        health.in_flight -= 1
+                        self.stats.in_flight(role, server, -1)
+        except TimeoutError:
+            raise UpstreamTimeout(server, f"no answer within {timeout:g} s", role=role) from None
+        except HTTPError as exc:
+            raise UpstreamUnavailable(server, exc.reason, role=role) from None
+        except Exception as exc:
+            # A bug in a custom transport must cost this call, not the server: the client gets a clear
+            # error (or a failover), the log gets the traceback.
+            logger.exception("unexpected error calling %s %s", role, server)
+            raise UpstreamUnavailable(server, f"unexpected {type(exc).__name__}", role=role) from None
+        if status != 200:
+            detail = _error_detail(content)
+            if status >= 500 or status in RETRYABLE_STATUSES:
+                if status >= 500 and detail:
+                    # Server errors may carry internals: the log gets them, the client does not.
+                    logger.warning("%s %s answered HTTP %d: %s", role, server, status, detail)
+                raise UpstreamStatusError(server, status, "" if status >= 500 else detail, role=role)
+            if 400 <= status < 500:
+                raise UpstreamRejected(server, status, detail, role=role)
+            raise UpstreamStatusError(server, status, role=role)
+        try:
+            reply = _decode_reply(content)
+        except msgspec.DecodeError:
+            raise UpstreamBadReply(server, "the answer is not JSON", role=role) from None
+        if not isinstance(reply, dict):
+            raise UpstreamBadReply(server, "the answer is not a JSON object", role=role)
+        return attempt.read(server, reply)
+
+
+def _error_detail(content: bytes) -> str:
+    """The server's own error message when it sent an OpenAI-style body, cut short."""
+    try:
+        reply: Any = _decode_reply(content)
+        message = reply["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return ""
+    return str(message)[:_MAX_DETAIL]

@@ -1,0 +1,79 @@
+"""The prefill stage of remote P/D: the request, with its encoder handles, is prefilled on a prefill
+server (a vLLM ``kv_producer``); what P answers in ``kv_transfer_params`` tells the local engine (the
+decoder, ``kv_consumer``) where to take the KV cache from.
+
+The prefill request is the engine's request with vLLM's P/D overrides: P keeps the KV cache for a remote
+decoder, answers at once (no stream) and stops after one token. Calls spread over the prefill pool and
+fail over like encoder calls (:mod:`epd_middleware.pool`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+
+from .errors import NoHealthyUpstream, UpstreamBadReply
+from .pool import Attempt, ServerPool
+from .protocol import (
+    KV_TRANSFER_PARAMS,
+    MAX_COMPLETION_TOKENS,
+    MAX_TOKENS,
+    MIN_TOKENS,
+    PREFILL_KV_TRANSFER_PARAMS,
+    STREAM,
+    STREAM_OPTIONS,
+)
+from .surfaces import encode_fields
+from .transport import Transport
+
+__all__ = ["decode_fields", "prefill", "prefill_fields"]
+
+
+def prefill_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill request for an engine request: a new dict, ``fields`` untouched."""
+    out = dict(fields)
+    out[KV_TRANSFER_PARAMS] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    out[STREAM] = False
+    out[MAX_TOKENS] = 1
+    if MAX_COMPLETION_TOKENS in out:
+        out[MAX_COMPLETION_TOKENS] = 1
+    out.pop(STREAM_OPTIONS, None)  # vLLM rejects stream_options without stream
+    out.pop(MIN_TOKENS, None)  # and min_tokens above max_tokens
+    return out
+
+
+def decode_fields(fields: Mapping[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The local (decode) request: the engine request with P's ``kv_transfer_params``, or without any
+    when P gave none (a connector such as vLLM's ExampleConnector finds the KV cache by the prompt)."""
+    out = dict(fields)
+    if kv_transfer_params is None:
+        out.pop(KV_TRANSFER_PARAMS, None)
+    else:
+        out[KV_TRANSFER_PARAMS] = kv_transfer_params
+    return out
+
+
+async def prefill(
+    pool: ServerPool,
+    client: Transport,
+    path: str,
+    fields: Mapping[str, Any],
+    headers: Mapping[str, str],
+    *,
+    retry_after: int,
+) -> dict[str, Any] | None:
+    """Prefill ``fields`` on the next prefill server (failing over); P's ``kv_transfer_params``."""
+    server = pool.pick(anyio.current_time())
+    if server is None:
+        raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
+    body = encode_fields(prefill_fields(fields))
+    return await pool.call(client, server, path, lambda: Attempt(body, _kv_transfer_params), headers)
+
+
+def _kv_transfer_params(server: str, reply: dict[str, Any]) -> dict[str, Any] | None:
+    params = reply.get(KV_TRANSFER_PARAMS)
+    if params is not None and not isinstance(params, dict):
+        raise UpstreamBadReply(server, "kv_transfer_params is not an object", role="prefill")
+    return params

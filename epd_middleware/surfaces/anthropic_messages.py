@@ -1,0 +1,150 @@
+"""The Anthropic Messages surface (``POST /v1/messages``): where images sit in the body.
+
+vLLM 0.32 turns a Messages request into a chat-completions one (``entrypoints/anthropic/serving.py``,
+``to_chat_completion_request``): an ``image`` block becomes an ``image_url`` part whose URL is the
+block's ``source`` URL, or the data URL ``data:<media_type>;base64,<data>`` it builds from a base64
+source; images in the content list of a user's ``tool_result`` block become ``image_url`` parts of a
+user message of their own; system messages keep only their text. No part gets a uuid, and a Messages
+request carries no per-request processor options, so the engine hashes each image's decoded content.
+
+So the encoders are sent the same URL vLLM builds, with no uuid and no options, and report the same
+content hash the engine derives (provided the encoder keeps its processor cache on, vLLM's default:
+with ``mm_processor_cache_gb=0`` vLLM gives uuid-less items per-request ids and nothing matches). The
+blocks themselves are never rewritten: Messages has no metadata-only image block, so the engine still
+decodes the image to place its tokens, and takes the embedding from ``ec_transfer_params``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from epd_middleware import protocol as p
+
+from . import MediaPart, ParsedRequest, Unusable, decode_object, encode_fields
+
+__all__ = ["SURFACE", "AnthropicMessages", "image_url", "may_hold_media", "parse"]
+
+_IMAGE = "image"
+_TOOL_RESULT = "tool_result"
+_SOURCE = "source"
+
+
+def may_hold_media(body: bytes) -> bool:
+    """False only when the body holds no ``"image"`` string as JSON encoders write it (the type of an
+    image block); a body that spells it with ``\\u`` escapes goes to the engine unchanged, which encodes
+    the image itself."""
+    return b'"image"' in body
+
+
+def image_url(source: Mapping[str, Any]) -> str:
+    """The URL vLLM makes of an image block's source (``_convert_image_source_to_url``), to the byte."""
+    if source.get(p.TYPE) == "url":
+        return str(source.get("url", ""))
+    media_type = source.get("media_type", "image/jpeg")
+    data = source.get("data", "")
+    return f"data:{media_type};base64,{data}"
+
+
+def parse(body: bytes) -> ParsedRequest | None:
+    """The image blocks of a Messages body, or None when the body should pass through as it is."""
+    fields = decode_object(body)
+    if fields is None:
+        return None
+    try:
+        return _find_images(fields)
+    except Unusable:
+        return None
+
+
+def _find_images(fields: dict[str, Any]) -> ParsedRequest:
+    messages = fields.get(p.MESSAGES)
+    if not isinstance(messages, list):
+        raise Unusable
+    ec_params = fields.get(p.EC_TRANSFER_PARAMS)
+    if ec_params is not None and not isinstance(ec_params, dict):
+        raise Unusable
+    media: list[MediaPart] = []
+    for message_index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise Unusable
+        role = message.get("role")
+        content = message.get(p.CONTENT)
+        if role == "system" or not isinstance(content, list):
+            continue  # vLLM keeps only the text of system messages
+        for block_index, block in enumerate(content):
+            if not isinstance(block, dict):
+                raise Unusable
+            kind = block.get(p.TYPE)
+            if kind == _IMAGE:
+                source = block.get(_SOURCE)
+                if source:  # vLLM skips an image block without a source
+                    media.append(_image((message_index, block_index), source))
+            elif kind == _TOOL_RESULT and role == "user":
+                inner = block.get(p.CONTENT)
+                if not isinstance(inner, list):
+                    continue
+                for item_index, item in enumerate(inner):
+                    if isinstance(item, dict) and item.get(p.TYPE) == _IMAGE:
+                        found = _image((message_index, block_index, item_index), item.get(_SOURCE, {}))
+                        if found.content[0]:  # vLLM drops a tool-result image whose URL is empty
+                            media.append(found)
+    return ParsedRequest(fields, tuple(media))
+
+
+def _image(location: tuple[int, ...], source: Any) -> MediaPart:
+    if not isinstance(source, dict):
+        raise Unusable
+    url = image_url(source)
+    return MediaPart(location, "image", {p.TYPE: "image_url", "image_url": {"url": url}}, (url,), None)
+
+
+def encoder_part(media: MediaPart, uuid: str) -> dict[str, Any]:
+    """The part vLLM would build, without a uuid: the engine will not have one either."""
+    return dict(media.part)
+
+
+def encoder_body(
+    request: ParsedRequest,
+    parts: Sequence[Mapping[str, Any]],
+    ec_transfer_params: Mapping[str, Any] | None = None,
+) -> bytes:
+    """A chat-completions request for an encoder, with no per-request options (Messages has none)."""
+    body: dict[str, Any] = {
+        p.MODEL: request.fields.get(p.MODEL),
+        p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
+        p.STREAM: False,
+        p.MAX_TOKENS: 1,
+    }
+    if ec_transfer_params:
+        body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
+    return encode_fields(body)
+
+
+def engine_fields(
+    request: ParsedRequest,
+    uuids: Sequence[str],
+    metadata: Sequence[Mapping[str, Any] | None],
+    ec_transfer_params: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The client's body with the handles merged over its own ``ec_transfer_params``; blocks unchanged."""
+    fields = dict(request.fields)
+    if ec_transfer_params:
+        fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
+    return fields
+
+
+class AnthropicMessages:
+    """The Anthropic Messages surface, for the pipeline."""
+
+    name = "messages"
+    path = p.MESSAGES_PATH
+    pins_uuids = False
+    may_hold_media = staticmethod(may_hold_media)
+    parse = staticmethod(parse)
+    encoder_part = staticmethod(encoder_part)
+    encoder_body = staticmethod(encoder_body)
+    engine_fields = staticmethod(engine_fields)
+
+
+SURFACE = AnthropicMessages()
