@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from epd_middleware import UpstreamBadReply, EPDConfig, EPDMiddleware
+from epd_middleware import EPDConfig, EPDMiddleware, UpstreamBadReply
 from epd_middleware.handles import Handle, match_reply, part_metadata, transfer_params
 from epd_middleware.plan import EncoderCall, MediaItem, content_uuid, plan_calls
 from epd_middleware.surfaces import ParsedRequest
