@@ -46,6 +46,10 @@ def derived_hash(model: str, uuid: str, modality: str, body: dict[str, Any]) -> 
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
+def content_hash(url: str) -> str:
+    return "content-" + hashlib.sha256(url.encode()).hexdigest()[:24]
+
+
 def part_modality(part: dict[str, Any]) -> str:
     if part.get("type") in PART_MODALITY and part.get("uuid") is None:
         return PART_MODALITY[part["type"]]
@@ -145,7 +149,12 @@ class FakeEncoders:
         entries: dict[str, Any] = {}
         for index, part in enumerate(parts):
             modality = part_modality(part)
-            mm_hash = derived_hash(body["model"], part["uuid"], modality, body)
+            uuid = part.get("uuid")
+            if uuid is None:
+                # vLLM hashes the decoded media of a uuid-less item; the fake hashes its URL.
+                mm_hash = content_hash(part["image_url"]["url"])
+            else:
+                mm_hash = derived_hash(body["model"], uuid, modality, body)
             entries[mm_hash] = {"item_indices": [index], "metadata": self.metadata(modality, body)}
         if mode == "no_entries":
             entries = {}
@@ -224,6 +233,13 @@ class FakeEngine:
                 return StreamingResponse(events(), media_type="text/event-stream")
             return JSONResponse({"choices": [{"message": {"role": "assistant", "content": "ok"}}]})
 
+        async def messages(request: Request) -> Response:
+            body = await request.body()
+            self.received.append(EngineRecord(body, dict(request.headers)))
+            return JSONResponse(
+                {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "ok"}]}
+            )
+
         async def health(request: Request) -> Response:
             return Response(status_code=200)
 
@@ -236,16 +252,91 @@ class FakeEngine:
             routes=[
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", other, methods=["POST"]),
+                Route("/v1/messages", messages, methods=["POST"]),
                 Route("/health", health, methods=["GET"]),
             ]
         )
 
 
+@dataclass
+class PrefillCallRecord:
+    server: str
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class FakePrefill:
+    """Fake vLLM prefill servers (kv_producer), keyed by base URL: each answers with its own
+    ``kv_transfer_params`` as NixlConnector does (engine id, blocks, host, port of the producer).
+
+    ``mode[url]``: "ok", "500", "400", "hang", "refuse", "no_params", "bad_params".
+    """
+
+    urls: list[str]
+    mode: dict[str, str] = field(default_factory=dict)
+    calls: list[PrefillCallRecord] = field(default_factory=list)
+
+    def calls_to(self, url: str) -> list[PrefillCallRecord]:
+        return [call for call in self.calls if call.server == url]
+
+    @staticmethod
+    def params(server: str, request_id: str = "") -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine@{server}",
+            "remote_block_ids": [1, 2, 3],
+            "remote_host": server.split("//")[1].split(":")[0],
+            "remote_port": 5600,
+            "remote_request_id": request_id,
+            "tp_size": 1,
+        }
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        server = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        assert server in self.urls, f"call to unknown prefill server {server}"
+        mode = self.mode.get(server, "ok")
+        if mode == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        self.calls.append(PrefillCallRecord(server, request.url.path, body, dict(request.headers)))
+        if mode == "hang":
+            await anyio.sleep(3600)
+        if mode == "500":
+            return httpx.Response(500, json={"error": {"message": "KV cache full", "code": 500}})
+        if mode == "400":
+            return httpx.Response(400, json={"error": {"message": "prompt too long", "code": 400}})
+        reply: dict[str, Any] = {"id": "chatcmpl-p", "choices": [{"index": 0, "finish_reason": "length"}]}
+        if mode == "ok":
+            reply["kv_transfer_params"] = self.params(server, request.headers.get("x-request-id", ""))
+        elif mode == "bad_params":
+            reply["kv_transfer_params"] = [1]
+        return httpx.Response(200, json=reply)
+
+
+def upstream_client(encoders: FakeEncoders, prefill: FakePrefill | None = None) -> httpx.AsyncClient:
+    """One client for calls to fake encoders and fake prefill servers, routed by base URL."""
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        server = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        if prefill is not None and server in prefill.urls:
+            return await prefill.handle(request)
+        return await encoders.handle(request)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(route))
+
+
 def build_app(
-    encoders: FakeEncoders, engine: FakeEngine, **options: Any
+    encoders: FakeEncoders, engine: FakeEngine, prefill: FakePrefill | None = None, **options: Any
 ) -> tuple[Starlette, httpx.AsyncClient]:
     app = engine.app()
-    client = encoders.client()
+    client = upstream_client(encoders, prefill) if prefill is not None else encoders.client()
+    if prefill is not None:
+        options.setdefault("prefill", prefill.urls)
     app.add_middleware(EPDMiddleware, encoders=encoders.urls, http_client=client, **options)
     return app, client
 

@@ -27,7 +27,7 @@ def test_factory_reads_nothing_and_attach_fails_clearly_without_encoders(
     instance = plugin()  # vLLM swallows factory errors, so the factory must not raise
     assert instance.name == "epd"
     assert instance.required_tasks == ("generate",)
-    with pytest.raises(ValueError, match="EPD_ENCODERS is not set"):
+    with pytest.raises(ValueError, match=r"EPD_ENCODERS is not set.*EPD_PREFILL"):
         instance.attach_router(Starlette())
 
 
@@ -105,3 +105,24 @@ async def test_attached_middleware_sits_inside_later_middleware(monkeypatch: pyt
     assert denied.status_code == 401
     assert allowed.status_code == 200
     assert len(calls) == 1, "only the authenticated request may reach an encoder"
+
+
+def test_with_prefill_the_server_must_be_a_kv_consumer() -> None:
+    from epd_middleware import EPDConfig
+
+    consumer = SimpleNamespace(ec_connector="ECExampleConnector", ec_role="ec_consumer", is_ec_consumer=True)
+    with_prefill = EPDConfig(encoders=("http://e:1",), prefill=("http://p:1",))
+    decoder = SimpleNamespace(
+        ec_transfer_config=consumer, kv_transfer_config=SimpleNamespace(kv_role="kv_consumer")
+    )
+    check_server(decoder, with_prefill)
+    for kv in (None, SimpleNamespace(kv_role="kv_producer")):
+        with pytest.raises(RuntimeError, match=r"EPD_PREFILL is set.*kv_consumer"):
+            check_server(SimpleNamespace(ec_transfer_config=consumer, kv_transfer_config=kv), with_prefill)
+    # P/D without encoders needs no EC connector at all.
+    check_server(
+        SimpleNamespace(ec_transfer_config=None, kv_transfer_config=SimpleNamespace(kv_role="kv_both")),
+        EPDConfig(prefill=("http://p:1",)),
+    )
+    # Encoders without prefill need no KV connector.
+    check_server(SimpleNamespace(ec_transfer_config=consumer), EPDConfig(encoders=("http://e:1",)))
