@@ -93,6 +93,46 @@ def ec_config(role: str, storage: Path) -> str:
     )
 
 
+def kv_config(role: str, storage: Path) -> str:
+    """vLLM's KV ExampleConnector (shared files): the KV connector that runs on CPU, for P/D."""
+    return json.dumps(
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)},
+        }
+    )
+
+
+# vLLM logs what its example connectors load at DEBUG only; this config (VLLM_LOGGING_CONFIG_PATH) keeps
+# vLLM at INFO and lets those lines through, so a test can see that a server loaded an embedding.
+CONNECTOR_DEBUG_LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+    "handlers": {
+        "vllm": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "level": "DEBUG",
+            "stream": "ext://sys.stdout",
+        }
+    },
+    "loggers": {
+        "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+        "vllm.distributed.ec_transfer.ec_connector.example_connector": {"level": "DEBUG"},
+    },
+}
+
+
+def connector_debug_logging(directory: Path) -> dict[str, str]:
+    """The environment that turns on :data:`CONNECTOR_DEBUG_LOGGING` for a server."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "connector-debug-logging.json"
+    path.write_text(json.dumps(CONNECTOR_DEBUG_LOGGING))
+    return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
+
+
 @dataclass
 class VLLMServer:
     """One ``vllm serve`` subprocess with its log file."""
@@ -224,9 +264,16 @@ def pd_server(
     via: str = "plugin",
     name: str = "pd",
     extra_env: Mapping[str, str] | None = None,
+    kv: tuple[str, Path] | None = None,
 ) -> VLLMServer:
-    """A PD (ec_consumer) with the middleware loaded through the endpoint plugin or ``--middleware``."""
+    """A PD (ec_consumer) with the middleware loaded through the endpoint plugin or ``--middleware``.
+
+    ``kv=(role, storage)`` adds a KV ExampleConnector: ``kv_producer`` for a prefill server,
+    ``kv_consumer`` for a decoder whose middleware sends prefills to it (``EPD_PREFILL``).
+    """
     args = ["--ec-transfer-config", ec_config("ec_consumer", storage)]
+    if kv is not None:
+        args += ["--kv-transfer-config", kv_config(*kv)]
     env = {"EPD_ENCODERS": ",".join(encoders), "EPD_ENCODER_TIMEOUT": "120", **(extra_env or {})}
     if via == "plugin":
         env["VLLM_PLUGINS"] = "epd"

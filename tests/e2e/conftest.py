@@ -28,13 +28,24 @@ class Deployment:
     encoders: list[lab.VLLMServer]
     pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
     pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"
-    control: lab.VLLMServer  # plain ec_consumer, no middleware: the negative control may kill it
+    # Plain ec_consumer without middleware, and kv_producer: the prefill server of pd_decode. The
+    # negative control (last) may kill it.
+    control: lab.VLLMServer
     pd_multi: lab.VLLMServer  # plugin, --api-server-count 2: one middleware per API-server process
+    pd_decode: lab.VLLMServer  # plugin with EPD_PREFILL=control, kv_consumer: E -> P -> D
     report: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def all(self) -> list[lab.VLLMServer]:
-        return [self.single, *self.encoders, self.pd, self.pd_flag, self.control, self.pd_multi]
+        return [
+            self.single,
+            *self.encoders,
+            self.pd,
+            self.pd_flag,
+            self.control,
+            self.pd_multi,
+            self.pd_decode,
+        ]
 
     def stored_hashes(self) -> set[str]:
         return {entry.name for entry in self.storage.iterdir()} if self.storage.exists() else set()
@@ -56,10 +67,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     lab.install_project(python)
     model = lab.ensure_tiny_model(python, cache)
     root = tmp_path_factory.mktemp("vllm")
-    storage, logs = root / "ec-cache", root / "logs"
+    storage, kv_storage, logs = root / "ec-cache", root / "kv-cache", root / "logs"
     storage.mkdir()
+    kv_storage.mkdir()
     encoders = [lab.encoder_server(python, model, logs, storage, name=f"encoder-{i}") for i in range(2)]
     urls = [server.url for server in encoders]
+    control = lab.pd_server(
+        python, model, logs, storage, urls, via="none", name="pd-control", kv=("kv_producer", kv_storage)
+    )
     deployment = Deployment(
         python=python,
         model=model,
@@ -67,7 +82,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         single=lab.single_server(python, model, logs),
         encoders=encoders,
         pd=lab.pd_server(
-            python, model, logs, storage, urls, via="plugin", extra_env={"VLLM_API_KEY": API_KEY}
+            python,
+            model,
+            logs,
+            storage,
+            urls,
+            via="plugin",
+            extra_env={"VLLM_API_KEY": API_KEY, **lab.connector_debug_logging(logs)},
         ),
         pd_flag=lab.pd_server(
             python,
@@ -79,8 +100,19 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             name="pd-flag",
             extra_env={"EPD_ON_ENCODER_FAILURE": "local", "EPD_HEALTH_CHECK_INTERVAL": "1"},
         ),
-        control=lab.pd_server(python, model, logs, storage, urls, via="none", name="pd-control"),
+        control=control,
         pd_multi=lab.pd_server(python, model, logs, storage, urls, via="plugin", name="pd-multi"),
+        pd_decode=lab.pd_server(
+            python,
+            model,
+            logs,
+            storage,
+            urls,
+            via="plugin",
+            name="pd-decode",
+            extra_env={"EPD_PREFILL": control.url},
+            kv=("kv_consumer", kv_storage),
+        ),
     )
     deployment.pd_multi.args += ["--api-server-count", "2"]
     lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from epd_lab import servers as lab
-from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
+from epd_lab.seed import NON_DEFAULT_OPTIONS, PROMPT, seed_image, seed_request
 from epd_middleware.plan import content_uuid
 
 from .conftest import API_KEY, Deployment
@@ -261,6 +261,137 @@ def _encoded_total(server: lab.VLLMServer) -> float:
         if line.startswith('epd_requests_total{outcome="encoded"}'):
             return float(line.split()[-1])
     return 0.0
+
+
+KV_HIT = "External Cache Hit"  # vLLM's KV ExampleConnector found the prefill's KV cache
+
+
+def log_count(server: lab.VLLMServer, text: str) -> int:
+    return server.log_path.read_text(errors="replace").count(text)
+
+
+@pytest.mark.parametrize("options", [None, NON_DEFAULT_OPTIONS], ids=["default", "non-default"])
+def test_remote_prefill_e_p_d_equals_the_single_instance(
+    deployment: Deployment, options: dict[str, Any] | None
+) -> None:
+    """E -> P -> D: the middleware on D encodes on E, prefills on P (kv_producer), D decodes from P's KV."""
+    body = seed_request(MODEL, images=[image(shift=500 if options is None else 510)], options=options)
+    baseline = chat(deployment.single, body)
+    prefills, hits = served_requests(deployment.control), log_count(deployment.pd_decode, KV_HIT)
+    encoded = sum(served_requests(server) for server in deployment.encoders)
+    response = chat(deployment.pd_decode, body)
+    record(f"E + P + D, {'non-default' if options else 'default'}", response, baseline)
+    assert_same(response, baseline)
+    assert served_requests(deployment.control) == prefills + 1  # P prefilled it
+    assert log_count(deployment.pd_decode, KV_HIT) == hits + 1  # D took P's KV cache
+    assert sum(served_requests(server) for server in deployment.encoders) == encoded + 1
+
+
+def test_remote_prefill_text_only_and_streaming(deployment: Deployment) -> None:
+    """With remote prefill every request goes through P, text-only too; streaming works on D."""
+    text = " ".join(["Describe a red square, a green circle and a blue triangle on white paper."] * 3)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        "max_tokens": 16,
+    }
+    baseline = chat(deployment.single, body)
+    prefills, hits = served_requests(deployment.control), log_count(deployment.pd_decode, KV_HIT)
+    response = chat(deployment.pd_decode, body)
+    record("P + D, text only", response, baseline)
+    assert_same(response, baseline)
+    assert served_requests(deployment.control) == prefills + 1
+    assert log_count(deployment.pd_decode, KV_HIT) == hits + 1
+
+    streamed = []
+    image_body = seed_request(MODEL, images=[image(shift=520)])
+    plain = chat(deployment.single, image_body)
+    with httpx.stream(
+        "POST",
+        f"{deployment.pd_decode.url}/v1/chat/completions",
+        json={**image_body, "stream": True},
+        timeout=300,
+    ) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices", []):
+                    streamed.append(choice.get("delta", {}).get("content") or "")
+    assert "".join(streamed) == plain.json()["choices"][0]["message"]["content"]
+    REPORT.append({"case": "E + P + D, streaming", "status": 200, "output": "".join(streamed), "match": True})
+
+
+def anthropic(
+    server: lab.VLLMServer, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    start = time.perf_counter()
+    response = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=300)
+    response.elapsed_s = time.perf_counter() - start  # type: ignore[attr-defined]
+    return response
+
+
+def messages_body(url: str) -> dict[str, Any]:
+    media_type, data = url.removeprefix("data:").split(";base64,", 1)
+    return {
+        "model": MODEL,
+        "max_tokens": 16,
+        "temperature": 0,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}},
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        ],
+    }
+
+
+def assert_same_message(case: str, response: httpx.Response, baseline: httpx.Response) -> None:
+    REPORT.append(
+        {
+            "case": case,
+            "status": response.status_code,
+            "seconds": response.elapsed_s,  # type: ignore[attr-defined]
+            "prompt_tokens": response.json().get("usage", {}).get("input_tokens", "-")
+            if response.status_code == 200
+            else "-",
+            "match": response.status_code == 200
+            and baseline.status_code == 200
+            and response.json()["content"] == baseline.json()["content"],
+            "output": response.json()["content"][0].get("text", "")
+            if response.status_code == 200
+            else response.text[:200],
+        }
+    )
+    assert response.status_code == 200, response.text
+    assert baseline.status_code == 200, baseline.text
+    assert response.json()["content"] == baseline.json()["content"]
+    assert response.json()["usage"]["input_tokens"] == baseline.json()["usage"]["input_tokens"]
+
+
+def test_anthropic_messages_equal_the_single_instance_and_pd_loads_the_embedding(
+    deployment: Deployment,
+) -> None:
+    body = messages_body(image(shift=530))
+    baseline = anthropic(deployment.single, body)
+    before = deployment.stored_hashes()
+    response = anthropic(deployment.pd, body, AUTH)
+    assert_same_message("E + PD, Anthropic Messages", response, baseline)
+    [stored] = deployment.stored_hashes() - before  # the encoder hashed the image as PD does ...
+    # ... and PD took that embedding from the connector instead of running its own encoder.
+    assert log_count(deployment.pd, f"Success load encoder cache for hash {stored}") == 1
+
+
+def test_anthropic_messages_through_remote_prefill(deployment: Deployment) -> None:
+    body = messages_body(image(shift=540))
+    baseline = anthropic(deployment.single, body)
+    hits = log_count(deployment.pd_decode, KV_HIT)
+    response = anthropic(deployment.pd_decode, body)
+    assert_same_message("E + P + D, Anthropic Messages", response, baseline)
+    assert log_count(deployment.pd_decode, KV_HIT) == hits + 1
 
 
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
