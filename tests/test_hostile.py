@@ -124,12 +124,67 @@ def chat_bodies(draw: st.DrawFn) -> Any:
     return draw(st.one_of(st.just(body), st.just(body), st.just(body), st.just(messages), json_values))
 
 
+@st.composite
+def image_blocks(draw: st.DrawFn) -> Any:
+    source = draw(
+        st.one_of(
+            st.builds(
+                lambda d, m: {"type": "base64", "media_type": m, "data": d},
+                st.text("ABCDEFGH+/=", min_size=1, max_size=12),
+                st.one_of(st.just("image/png"), json_values),
+            ),
+            st.builds(lambda u: {"type": "url", "url": u}, urls),
+            json_values,
+        )
+    )
+    return {"type": "image", "source": source}
+
+
+message_blocks = st.one_of(
+    image_blocks(),
+    image_blocks(),
+    st.just({"type": "text", "text": "Describe."}),
+    st.builds(
+        lambda items: {"type": "tool_result", "tool_use_id": "t", "content": items},
+        st.one_of(st.lists(st.one_of(image_blocks(), json_values), max_size=3), json_values),
+    ),
+    json_values,
+)
+
+
+@st.composite
+def messages_bodies(draw: st.DrawFn) -> Any:
+    message = st.fixed_dictionaries(
+        {
+            "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), json_values),
+            "content": st.one_of(st.lists(message_blocks, min_size=1, max_size=5), odd_text, json_values),
+        }
+    )
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": draw(st.one_of(st.just(16), json_values)),
+        "messages": draw(st.lists(st.one_of(message, message, message, json_values), min_size=1, max_size=3)),
+    }
+    for name in ("ec_transfer_params", "kv_transfer_params", "stream", "system"):
+        if draw(st.integers(0, 3)) == 0:
+            body[name] = draw(json_values)
+    return draw(st.one_of(st.just(body), st.just(body), st.just(body), json_values))
+
+
+P0 = "http://prefill-0:8100"
+
+
 def encoder_handler(calls: list[bytes]) -> httpx.MockTransport:
     def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "prefill-0":
+            return httpx.Response(200, json={"kv_transfer_params": {"remote_engine_id": "p"}})
         calls.append(request.content)
         body = json.loads(request.content)
         entries = {
-            part["uuid"]: {"item_indices": [index], "metadata": {"image_grid_thw": [1, 2, 2]}}
+            part.get("uuid") or f"content-{index}": {
+                "item_indices": [index],
+                "metadata": {"image_grid_thw": [1, 2, 2]},
+            }
             for index, part in enumerate(body["messages"][0]["content"])
         }
         return httpx.Response(200, json={"ec_transfer_params": entries})
@@ -137,7 +192,9 @@ def encoder_handler(calls: list[bytes]) -> httpx.MockTransport:
     return httpx.MockTransport(handle)
 
 
-async def drive(raw: bytes, **options: Any) -> tuple[int, list[bytes], list[bytes]]:
+async def drive(
+    raw: bytes, path: str = "/v1/chat/completions", **options: Any
+) -> tuple[int, list[bytes], list[bytes]]:
     """One request through the middleware scripted: (status, encoder calls, engine bodies)."""
     calls: list[bytes] = []
     engine = FakeEngine()
@@ -154,19 +211,22 @@ async def drive(raw: bytes, **options: Any) -> tuple[int, list[bytes], list[byte
         sent.append(message)
 
     with anyio.fail_after(10):
-        await middleware(http_scope(raw), receive, send)
+        await middleware(http_scope(raw, path=path), receive, send)
     status = next(message["status"] for message in sent if message["type"] == "http.response.start")
     return status, calls, [record.body for record in engine.received]
 
 
-def check(status: int, calls: list[bytes], engine_bodies: list[bytes], raw: bytes) -> None:
+def check(
+    status: int, calls: list[bytes], engine_bodies: list[bytes], raw: bytes, *, prefill: bool = False
+) -> None:
     assert status != 500, "the middleware must never answer 500"
     if engine_bodies:
         assert status in (200, 400)  # the fake engine's answers
         [seen] = engine_bodies
         if seen != raw:
             json.loads(seen)  # a rewritten body is valid JSON
-            assert calls, "a body is only rewritten after encoder calls"
+            # Without remote prefill a body is only rewritten after encoder calls.
+            assert calls or prefill
     else:
         assert status in (400, 413), status
         assert calls == [], "a request the limits reject must not reach an encoder"
@@ -180,6 +240,26 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 async def test_generated_bodies(body: Any) -> None:
     raw = json.dumps(body).encode()
     check(*(await drive(raw)), raw)
+
+
+@SETTINGS
+@given(body=messages_bodies())
+async def test_generated_messages_bodies(body: Any) -> None:
+    raw = json.dumps(body).encode()
+    check(*(await drive(raw, path="/v1/messages")), raw)
+
+
+@SETTINGS
+@given(body=st.one_of(chat_bodies(), messages_bodies()), messages=st.booleans())
+async def test_generated_bodies_with_remote_prefill(body: Any, messages: bool) -> None:
+    raw = json.dumps(body).encode()
+    path = "/v1/messages" if messages else "/v1/chat/completions"
+    result = await drive(raw, path=path, prefill=[P0])
+    check(*result, raw, prefill=True)
+    _, _, engine_bodies = result
+    if engine_bodies and engine_bodies[0] != raw:
+        sent = json.loads(engine_bodies[0])
+        assert sent["kv_transfer_params"] == {"remote_engine_id": "p"}  # every rewritten body got P's
 
 
 @SETTINGS
