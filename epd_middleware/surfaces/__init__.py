@@ -7,7 +7,7 @@ body itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,7 +15,18 @@ import msgspec
 
 from epd_middleware import protocol as p
 
-__all__ = ["MediaPart", "ParsedRequest", "Surface", "Unusable", "encode_fields"]
+__all__ = [
+    "MediaPart",
+    "ParsedRequest",
+    "Surface",
+    "Unusable",
+    "checked_messages",
+    "decode_object",
+    "encode_fields",
+    "encoder_request",
+    "parse_with",
+    "with_handles",
+]
 
 _encode = msgspec.json.Encoder().encode
 
@@ -124,3 +135,54 @@ def decode_object(body: bytes) -> dict[str, Any] | None:
 
 
 _decode = msgspec.json.Decoder().decode
+
+
+def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest]) -> ParsedRequest | None:
+    """``find`` the media of a JSON object body; None when the body is not one or its shape is off where
+    ``find`` looks (it raises :class:`Unusable`): such a body goes to vLLM as sent."""
+    fields = decode_object(body)
+    if fields is None:
+        return None
+    try:
+        return find(fields)
+    except Unusable:
+        return None
+
+
+def checked_messages(fields: Mapping[str, Any]) -> list[Any]:
+    """The body's ``messages`` list; :class:`Unusable` when it, or ``ec_transfer_params``, is not of the
+    type vLLM takes (the handles are merged into the client's ``ec_transfer_params``)."""
+    messages = fields.get(p.MESSAGES)
+    if not isinstance(messages, list):
+        raise Unusable
+    ec_params = fields.get(p.EC_TRANSFER_PARAMS)
+    if ec_params is not None and not isinstance(ec_params, dict):
+        raise Unusable
+    return messages
+
+
+def encoder_request(
+    model: Any,
+    parts: Sequence[Mapping[str, Any]],
+    options: Mapping[str, Any],
+    ec_transfer_params: Mapping[str, Any] | None,
+) -> bytes:
+    """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
+    body: dict[str, Any] = {
+        p.MODEL: model,
+        p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
+        p.STREAM: False,
+        # Harmless on an encoder-only instance, and keeps a full instance used as encoder from decoding.
+        p.MAX_TOKENS: 1,
+        **options,
+    }
+    if ec_transfer_params:
+        body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
+    return encode_fields(body)
+
+
+def with_handles(fields: dict[str, Any], ec_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+    """``fields`` with the handles merged over the client's own ``ec_transfer_params`` (in place)."""
+    if ec_transfer_params:
+        fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
+    return fields

@@ -21,7 +21,7 @@ from typing import Any
 
 from epd_middleware import protocol as p
 
-from . import MediaPart, ParsedRequest, Unusable, decode_object, encode_fields
+from . import MediaPart, ParsedRequest, Unusable, checked_messages, encoder_request, parse_with, with_handles
 
 __all__ = ["SURFACE", "AnthropicMessages", "image_url", "may_hold_media", "parse"]
 
@@ -48,22 +48,11 @@ def image_url(source: Mapping[str, Any]) -> str:
 
 def parse(body: bytes) -> ParsedRequest | None:
     """The image blocks of a Messages body, or None when the body should pass through as it is."""
-    fields = decode_object(body)
-    if fields is None:
-        return None
-    try:
-        return _find_images(fields)
-    except Unusable:
-        return None
+    return parse_with(body, _find_images)
 
 
 def _find_images(fields: dict[str, Any]) -> ParsedRequest:
-    messages = fields.get(p.MESSAGES)
-    if not isinstance(messages, list):
-        raise Unusable
-    ec_params = fields.get(p.EC_TRANSFER_PARAMS)
-    if ec_params is not None and not isinstance(ec_params, dict):
-        raise Unusable
+    messages = checked_messages(fields)
     media: list[MediaPart] = []
     for message_index, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -109,16 +98,8 @@ def encoder_body(
     parts: Sequence[Mapping[str, Any]],
     ec_transfer_params: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """A chat-completions request for an encoder, with no per-request options (Messages has none)."""
-    body: dict[str, Any] = {
-        p.MODEL: request.fields.get(p.MODEL),
-        p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
-        p.STREAM: False,
-        p.MAX_TOKENS: 1,
-    }
-    if ec_transfer_params:
-        body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
-    return encode_fields(body)
+    """The encoder request for ``parts``, with no per-request options (Messages has none)."""
+    return encoder_request(request.fields.get(p.MODEL), parts, {}, ec_transfer_params)
 
 
 def engine_fields(
@@ -128,10 +109,7 @@ def engine_fields(
     ec_transfer_params: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The client's body with the handles merged over its own ``ec_transfer_params``; blocks unchanged."""
-    fields = dict(request.fields)
-    if ec_transfer_params:
-        fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
-    return fields
+    return with_handles(dict(request.fields), ec_transfer_params)
 
 
 class AnthropicMessages:

@@ -11,7 +11,16 @@ from typing import Any
 
 from epd_middleware import protocol as p
 
-from . import MediaPart, ParsedRequest, Unusable, decode_object, encode_fields
+from . import (
+    MediaPart,
+    ParsedRequest,
+    Unusable,
+    checked_messages,
+    encode_fields,
+    encoder_request,
+    parse_with,
+    with_handles,
+)
 
 __all__ = [
     "SURFACE",
@@ -51,22 +60,11 @@ def may_hold_media(body: bytes) -> bool:
 
 def parse(body: bytes) -> ParsedRequest | None:
     """The media parts of a chat-completions body, or None when the body should pass through as it is."""
-    fields = decode_object(body)
-    if fields is None:
-        return None
-    try:
-        return _find_media(fields)
-    except Unusable:
-        return None
+    return parse_with(body, _find_media)
 
 
 def _find_media(fields: dict[str, Any]) -> ParsedRequest:
-    messages = fields.get(p.MESSAGES)
-    if not isinstance(messages, list):
-        raise Unusable
-    ec_params = fields.get(p.EC_TRANSFER_PARAMS)
-    if ec_params is not None and not isinstance(ec_params, dict):
-        raise Unusable
+    messages = checked_messages(fields)
     media: list[MediaPart] = []
     referenced: set[str] = set()
     for message_index, message in enumerate(messages):
@@ -147,18 +145,8 @@ def encoder_body(
     parts: Sequence[Mapping[str, Any]],
     ec_transfer_params: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
-    body: dict[str, Any] = {
-        p.MODEL: request.fields.get(p.MODEL),
-        p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
-        p.STREAM: False,
-        # Harmless on an encoder-only instance, and keeps a full instance used as encoder from decoding.
-        p.MAX_TOKENS: 1,
-    }
-    body.update(forwarded_options(request))
-    if ec_transfer_params:
-        body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
-    return encode_fields(body)
+    """The encoder request for ``parts``, with the per-request options the local engine will apply."""
+    return encoder_request(request.fields.get(p.MODEL), parts, forwarded_options(request), ec_transfer_params)
 
 
 def engine_fields(
@@ -190,9 +178,7 @@ def engine_fields(
             kind = p.embeds_type(media.modality)
             content[part_index] = {p.TYPE: kind, kind: meta, p.UUID: uuid}
     fields[p.MESSAGES] = messages
-    if ec_transfer_params:
-        fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
-    return fields
+    return with_handles(fields, ec_transfer_params)
 
 
 def rewritten_body(
