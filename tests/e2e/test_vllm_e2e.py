@@ -26,13 +26,19 @@ REPORT: list[dict[str, Any]] = []
 image = seed_image
 
 
+def post(
+    server: lab.VLLMServer, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
+    start = time.perf_counter()
+    response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=300)
+    response.elapsed_s = time.perf_counter() - start  # type: ignore[attr-defined]
+    return response
+
+
 def chat(
     server: lab.VLLMServer, body: dict[str, Any], headers: dict[str, str] | None = None
 ) -> httpx.Response:
-    start = time.perf_counter()
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=300)
-    response.elapsed_s = time.perf_counter() - start  # type: ignore[attr-defined]
-    return response
+    return post(server, "/v1/chat/completions", body, headers)
 
 
 def encode_directly(
@@ -325,10 +331,7 @@ def test_remote_prefill_text_only_and_streaming(deployment: Deployment) -> None:
 def anthropic(
     server: lab.VLLMServer, body: dict[str, Any], headers: dict[str, str] | None = None
 ) -> httpx.Response:
-    start = time.perf_counter()
-    response = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=300)
-    response.elapsed_s = time.perf_counter() - start  # type: ignore[attr-defined]
-    return response
+    return post(server, "/v1/messages", body, headers)
 
 
 def messages_body(url: str) -> dict[str, Any]:
