@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 from blake3 import blake3
 
+from ._rawjson import Raw, raw_text
 from .protocol import UNBATCHED_MODALITIES
 
 __all__ = ["EncoderCall", "MediaItem", "MediaSource", "content_uuid", "media_items", "plan_calls"]
@@ -22,7 +23,7 @@ class MediaSource(Protocol):
     @property
     def modality(self) -> str: ...
     @property
-    def content(self) -> tuple[str, ...]: ...
+    def content(self) -> tuple[str | Raw, ...]: ...
     @property
     def client_uuid(self) -> str | None: ...
 
@@ -44,7 +45,7 @@ class EncoderCall:
     items: tuple[MediaItem, ...]
 
 
-def content_uuid(modality: str, content: Sequence[str], salt: str | None = None) -> str:
+def content_uuid(modality: str, content: Sequence[str | Raw], salt: str | None = None) -> str:
     """A uuid derived from the media as sent: equal media give equal uuids, across requests too.
 
     Hashes the text (data URL, http URL or input_audio base64) without decoding it: decoding costs more
@@ -62,7 +63,8 @@ def content_uuid(modality: str, content: Sequence[str], salt: str | None = None)
     hasher.update(modality.encode())
     for piece in content:
         hasher.update(b"\0")
-        hasher.update(piece.encode())
+        # A raw string's bytes are its text's UTF-8: the same uuid as the decoded text, without a copy.
+        hasher.update(raw_text(piece) if isinstance(piece, Raw) else piece.encode())
     return hasher.hexdigest(length=16)
 
 

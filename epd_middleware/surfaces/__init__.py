@@ -13,11 +13,14 @@ from typing import Any, Protocol
 
 import msgspec
 
+from epd_middleware import _rawjson
 from epd_middleware import protocol as p
+from epd_middleware._rawjson import Raw, text_of
 
 __all__ = [
     "MediaPart",
     "ParsedRequest",
+    "Raw",
     "Surface",
     "Unusable",
     "checked_messages",
@@ -43,8 +46,9 @@ class MediaPart:
     modality: str
     part: Mapping[str, Any]
     # The media as the client sent it (URL text, or input_audio data and format): what the content uuid
-    # hashes. Never decoded: hashing the base64 text is cheaper and identifies the media as well.
-    content: tuple[str, ...]
+    # hashes. Never base64-decoded: hashing the text is cheaper and identifies the media as well. Long
+    # strings stay the raw JSON bytes they arrived as (``_rawjson``), never decoded at all.
+    content: tuple[str | Raw, ...]
     client_uuid: str | None
 
 
@@ -58,7 +62,7 @@ class ParsedRequest:
 
     @property
     def cache_salt(self) -> str | None:
-        salt = self.fields.get(p.CACHE_SALT)
+        salt = text_of(self.fields.get(p.CACHE_SALT))
         return salt if isinstance(salt, str) else None
 
 
@@ -128,13 +132,10 @@ def encode_fields(fields: Any) -> bytes:
 def decode_object(body: bytes) -> dict[str, Any] | None:
     """The body as a JSON object, None when it is not one (vLLM answers it with its own 400)."""
     try:
-        fields = _decode(body)
+        fields = _rawjson.decode(body)
     except (msgspec.DecodeError, RecursionError):
         return None
     return fields if isinstance(fields, dict) else None
-
-
-_decode = msgspec.json.Decoder().decode
 
 
 def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest]) -> ParsedRequest | None:

@@ -19,9 +19,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epd_middleware import protocol as p
+import msgspec
 
-from . import MediaPart, ParsedRequest, Unusable, checked_messages, encoder_request, parse_with, with_handles
+from epd_middleware import protocol as p
+from epd_middleware._rawjson import raw_text, text_of
+
+from . import (
+    MediaPart,
+    ParsedRequest,
+    Raw,
+    Unusable,
+    checked_messages,
+    encoder_request,
+    parse_with,
+    with_handles,
+)
+
+_encode = msgspec.json.Encoder().encode
 
 __all__ = ["SURFACE", "AnthropicMessages", "image_url", "may_hold_media", "parse"]
 
@@ -37,12 +51,20 @@ def may_hold_media(body: bytes) -> bool:
     return b'"image"' in body
 
 
-def image_url(source: Mapping[str, Any]) -> str:
-    """The URL vLLM makes of an image block's source (``_convert_image_source_to_url``), to the byte."""
+def image_url(source: Mapping[str, Any]) -> str | Raw:
+    """The URL vLLM makes of an image block's source (``_convert_image_source_to_url``), to the byte.
+
+    A long base64 payload arrives raw (``_rawjson``); the URL is then built as raw JSON too, without
+    decoding it: the prefix, then the payload's bytes (its text, having no escapes).
+    """
     if source.get(p.TYPE) == "url":
-        return str(source.get("url", ""))
-    media_type = source.get("media_type", "image/jpeg")
+        url = source.get("url", "")
+        return url if isinstance(url, Raw) else str(url)
+    media_type = text_of(source.get("media_type", "image/jpeg"))
     data = source.get("data", "")
+    if isinstance(data, Raw):
+        prefix = _encode(f"data:{media_type};base64,")[:-1]  # opening quote, no closing one
+        return Raw(b"".join((prefix, raw_text(data), b'"')))
     return f"data:{media_type};base64,{data}"
 
 
@@ -76,7 +98,7 @@ def _find_images(fields: dict[str, Any]) -> ParsedRequest:
                 for item_index, item in enumerate(inner):
                     if isinstance(item, dict) and item.get(p.TYPE) == _IMAGE:
                         found = _image((message_index, block_index, item_index), item.get(_SOURCE, {}))
-                        if found.content[0]:  # vLLM drops a tool-result image whose URL is empty
+                        if len(found.content[0]):  # vLLM drops a tool-result image whose URL is empty
                             media.append(found)
     return ParsedRequest(fields, tuple(media))
 

@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epd_middleware import protocol as p
+from epd_middleware._rawjson import text_of
 
 from . import (
     MediaPart,
     ParsedRequest,
+    Raw,
     Unusable,
     checked_messages,
     encode_fields,
@@ -83,7 +85,7 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
             if media_content is None:
                 referenced.add(modality)
                 continue
-            client_uuid = part.get(p.UUID)
+            client_uuid = text_of(part.get(p.UUID))
             if client_uuid is not None and not isinstance(client_uuid, str):
                 raise Unusable
             media.append(MediaPart((message_index, part_index), modality, part, media_content, client_uuid))
@@ -103,7 +105,7 @@ def _part_kind(part: Mapping[str, Any]) -> str | None:
     return part_type
 
 
-def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str, ...] | None] | None:
+def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str | Raw, ...] | None] | None:
     """(modality, media content) for a raw media part, content None for a uuid-only reference."""
     kind = _part_kind(part)
     if kind not in p.MEDIA_PARTS:
@@ -118,14 +120,14 @@ def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str, ...] | None] | N
         data, fmt = holder.get(inner_key), holder.get("format")
         if data is None:
             return modality, None
-        if not isinstance(data, str) or not isinstance(fmt, (str, type(None))):
+        if not isinstance(data, (str, Raw)) or not isinstance(fmt, (str, type(None))):
             raise Unusable
         return modality, (data, fmt or "")
     # vLLM takes ``{"url": ...}``, and a bare string when the part has a uuid or no type.
     url = holder.get(inner_key) if isinstance(holder, dict) else holder
     if url is None:
         return modality, None
-    if not isinstance(url, str):
+    if not isinstance(url, (str, Raw)):
         raise Unusable
     return modality, (url,)
 

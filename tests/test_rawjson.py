@@ -1,0 +1,86 @@
+"""Long strings kept raw: the decoded value equals a plain decode, and encodes back to the same JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epd_middleware import _rawjson
+from epd_middleware.plan import content_uuid
+
+LONG = _rawjson.LONG_STRING + 10
+
+
+def as_text(value: Any) -> Any:
+    """The value with every Raw decoded: what a plain decode gives."""
+    if isinstance(value, msgspec.Raw):
+        return msgspec.json.decode(value)
+    if isinstance(value, dict):
+        return {key: as_text(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_text(item) for item in value]
+    return value
+
+
+long_strings = st.one_of(
+    st.text(alphabet="ABCabc+/=", min_size=LONG, max_size=LONG + 50),  # base64-like: kept raw
+    st.text(min_size=LONG, max_size=LONG + 20),  # any text: escapes, quotes, unicode
+    st.builds(lambda s: s + '\\"' * 3, st.text(alphabet="xy", min_size=LONG, max_size=LONG)),
+)
+short = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=12), st.just('a"b\\'))
+values = st.recursive(
+    st.one_of(short, long_strings),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.dictionaries(st.one_of(st.text(max_size=6), long_strings), children, max_size=4),
+    ),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=values, padding=st.text(alphabet=" ", max_size=3))
+def test_decode_equals_a_plain_decode_and_encodes_back_the_same(value: Any, padding: str) -> None:
+    body = (padding + json.dumps({"pad": "p" * _rawjson._MIN_BODY, "v": value}) + padding).encode()
+    decoded = _rawjson.decode(body)
+    assert as_text(decoded) == msgspec.json.decode(body)
+    assert msgspec.json.encode(decoded) == msgspec.json.encode(msgspec.json.decode(body))
+
+
+def test_long_unescaped_strings_are_raw_views_of_the_body() -> None:
+    data = "QUJD" * 5000
+    body = json.dumps({"a": [{"url": "data:image/png;base64," + data}], "b": "x\\" * 3000}).encode()
+    decoded = _rawjson.decode(body)
+    url = decoded["a"][0]["url"]
+    assert isinstance(url, msgspec.Raw)
+    assert bytes(_rawjson.raw_text(url)) == ("data:image/png;base64," + data).encode()
+    assert isinstance(decoded["b"], str)  # escaped: decoded as usual
+    # The content uuid is the same whether the text arrived raw or decoded.
+    assert content_uuid("image", (url,)) == content_uuid("image", ("data:image/png;base64," + data,))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a": "' + b"x" * 20000,  # unterminated
+        b'{"a": "' + b"x" * 20000 + b'" "b"}',  # invalid around a long string
+        b'["' + b"x" * 20000 + b'",]',
+        b'{"a": "\\\\"' + b"x" * 20000 + b'"}',  # the backslashes escape each other: x... is outside
+    ],
+)
+def test_invalid_bodies_stay_invalid(body: bytes) -> None:
+    with pytest.raises(msgspec.DecodeError):
+        msgspec.json.decode(body)
+    with pytest.raises(msgspec.DecodeError):
+        _rawjson.decode(body)
+
+
+def test_a_client_cannot_forge_a_placeholder() -> None:
+    forged = "\x00epd-raw-0000000000000000-0"
+    body = json.dumps({"a": forged, "b": "x" * 20000}).encode()
+    assert _rawjson.decode(body)["a"] == forged
