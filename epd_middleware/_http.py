@@ -27,6 +27,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 __all__ = ["ConnectFailed", "ConnectionLost", "HTTPClient", "HTTPError", "ProtocolViolation"]
 
 _MAX_HEAD = 64 * 1024
+_JOIN_LIMIT = 64 * 1024
 _MAX_BODY = 256 * 1024 * 1024
 # uvicorn closes idle keep-alive connections after 5 s; retire ours before that to avoid the race
 # between its close and our next request.
@@ -106,7 +107,9 @@ class HTTPClient:
             head.append(f"{name}: {value}".encode("latin-1"))
         if body or method == "POST":
             head.append(b"content-length: %d" % len(body))
-        message = b"\r\n".join(head) + b"\r\n\r\n" + body
+        head_bytes = b"\r\n".join(head) + b"\r\n\r\n"
+        # A large body goes in a send of its own: joining it to the head would copy it (0.14 ms a MB).
+        message = (head_bytes, body) if len(body) > _JOIN_LIMIT else (head_bytes + body,)
 
         connection, reused = await self._connection(origin)
         try:
@@ -155,9 +158,10 @@ class HTTPClient:
             raise ConnectFailed(f"connection failed ({type(exc).__name__})") from None
         return _Connection(stream, BufferedByteReceiveStream(stream))
 
-    async def _exchange(self, connection: _Connection, message: bytes) -> tuple[int, bytes, bool]:
+    async def _exchange(self, connection: _Connection, message: tuple[bytes, ...]) -> tuple[int, bytes, bool]:
         try:
-            await connection.stream.send(message)
+            for piece in message:
+                await connection.stream.send(piece)
             head = await connection.reader.receive_until(b"\r\n\r\n", _MAX_HEAD)
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
             raise ConnectionLost("connection closed before an answer") from None
