@@ -104,14 +104,14 @@ def _restore(value: Any, raws: dict[str, msgspec.Raw]) -> Any:
             for key, item in node.items():
                 if isinstance(item, str):
                     if item.startswith(_MARK):
-                        node[key] = raws[item]
+                        node[key] = raws.get(item, item)
                 elif isinstance(item, (dict, list)):
                     stack.append(item)
         elif isinstance(node, list):
             for index, item in enumerate(node):
                 if isinstance(item, str):
                     if item.startswith(_MARK):
-                        node[index] = raws[item]
+                        node[index] = raws.get(item, item)
                 elif isinstance(item, (dict, list)):
                     stack.append(item)
     return value

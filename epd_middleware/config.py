@@ -132,12 +132,15 @@ class EPDConfig(BaseModel):
     max_inflight_per_encoder: int = Field(
         default=64,
         ge=1,
-        description="Most encoder calls in flight to one encoder; further calls wait (within the deadline).",
+        description=(
+            "Most calls in flight to one encoder (or prefill server); further calls wait (within the "
+            "deadline)."
+        ),
     )
     max_pending_requests: int = Field(
         default=512,
         ge=1,
-        description="Most requests in the encode stage at once; past it 503 with Retry-After.",
+        description="Most requests in the encode and prefill stages at once; past it 503 with Retry-After.",
     )
     retry_after: int = Field(
         default=1,
