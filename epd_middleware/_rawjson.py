@@ -35,6 +35,8 @@ _decode_str = msgspec.json.Decoder(str).decode
 _MARK = "\x00epd-raw-" + secrets.token_hex(8) + "-"
 _MARK_JSON = msgspec.json.encode(_MARK)[:-1]  # opening quote and escaped mark, no closing quote
 _BACKSLASH = 0x5C
+_COLON = 0x3A
+_WHITESPACE = b" \t\r\n"
 
 
 def decode(body: bytes) -> Any:
@@ -55,7 +57,17 @@ def decode(body: bytes) -> Any:
         raws[f"{_MARK}{index}"] = msgspec.Raw(view[start : end + 1])
         previous = end + 1
     pieces.append(body[previous:])
-    return _restore(_decode(b"".join(pieces)), raws)
+    # A long object key is rare; only then must the walk look at keys too.
+    keys = any(_is_key(body, end) for _, end in spans)
+    return _restore(_decode(b"".join(pieces)), raws, keys)
+
+
+def _is_key(body: bytes, end: int) -> bool:
+    """Whether the string closed at ``end`` is an object key: a colon follows, after any whitespace."""
+    index, size = end + 1, len(body)
+    while index < size and body[index] in _WHITESPACE:
+        index += 1
+    return index < size and body[index] == _COLON
 
 
 def _long_strings(body: bytes) -> list[tuple[int, int]]:
@@ -89,7 +101,7 @@ def _long_strings(body: bytes) -> list[tuple[int, int]]:
     return spans
 
 
-def _restore(value: Any, raws: dict[str, msgspec.Raw]) -> Any:
+def _restore(value: Any, raws: dict[str, msgspec.Raw], keys: bool) -> Any:
     """Put the raw strings back where their placeholders were decoded (iteratively: bodies nest deep)."""
     if isinstance(value, str):
         return raws.get(value, value)
@@ -97,7 +109,7 @@ def _restore(value: Any, raws: dict[str, msgspec.Raw]) -> Any:
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if any(key.startswith(_MARK) for key in node):  # a long key: keys must be text, in order
+            if keys and any(key.startswith(_MARK) for key in node):  # keys must be text, in order
                 items = list(node.items())
                 node.clear()
                 node.update((text_of(raws[key]) if key in raws else key, item) for key, item in items)

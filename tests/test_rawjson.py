@@ -84,3 +84,9 @@ def test_a_client_cannot_forge_a_placeholder() -> None:
     forged = "\x00epd-raw-0000000000000000-0"
     body = json.dumps({"a": forged, "b": "x" * 20000}).encode()
     assert _rawjson.decode(body)["a"] == forged
+
+
+def test_a_long_key_comes_back_as_text_whatever_the_whitespace_before_its_colon() -> None:
+    key = "k" * (LONG + 5)
+    body = ('{"pad": "' + "p" * _rawjson._MIN_BODY + '", "' + key + '"' + " " * 200 + ": 1}").encode()
+    assert as_text(_rawjson.decode(body)) == msgspec.json.decode(body)
