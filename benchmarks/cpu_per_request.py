@@ -1,0 +1,67 @@
+"""CPU time per request in each process of the perf rig, at concurrency 16: where the work goes.
+
+    .venv/bin/python -m benchmarks.cpu_per_request
+
+Runs the fake encoder, the bare engine and the engine with EPDMiddleware as in ``benchmarks.perf``, sends
+the same 1-image and 8-image requests the direct way (load generator -> encoder, then the rewritten
+request -> engine) and through the middleware, and reads each process's user + system CPU time from
+/proc before and after. On a machine whose cores are all busy, throughput is bounded by the total.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+
+import anyio
+
+from epd_middleware._http import HTTPClient
+
+from .perf import Case, Rig, chat_request, direct, load, noise_png, poster, prepare_direct
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def main() -> None:
+    rig = Rig()
+    try:
+        encoder, engine = rig.start("encoder"), rig.start("engine")
+        epd = rig.start("engine+epd", encoder)
+        for url in (engine, epd):
+            await rig.wait(url)
+        pids = {"encoder": rig.procs[0].pid, "engine": rig.procs[1].pid, "engine+epd": rig.procs[2].pid}
+        client = HTTPClient(connect_timeout=5)
+        print(f"{'body':9} {'path':7} {'req/s':>6}  CPU ms per request by process")
+        for images in (1, 8):
+            case = Case(f"{images} image", chat_request([noise_png(150_000, 10 + i) for i in range(images)]))
+            await prepare_direct(case, encoder, client)
+            requests = 1200 if images == 1 else 300
+            for name, send in (("direct", direct(encoder, engine, case)), ("epd", poster(epd, case.body))):
+                before = {key: _cpu_of(pid) for key, pid in pids.items()}
+                own, started = _own_cpu(), time.perf_counter()
+                await load(send, requests, 16)
+                wall = time.perf_counter() - started
+                per = {key: (_cpu_of(pid) - before[key]) / requests * 1000 for key, pid in pids.items()}
+                per["load generator"] = (_own_cpu() - own) / requests * 1000
+                shares = ", ".join(f"{key} {value:.2f}" for key, value in per.items() if value >= 0.005)
+                print(
+                    f"{case.name:9} {name:7} {requests / wall:6.0f}  {shares}; total {sum(per.values()):.2f}"
+                )
+    finally:
+        rig.stop()
+
+
+if __name__ == "__main__":
+    anyio.run(main)
