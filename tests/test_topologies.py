@@ -477,3 +477,46 @@ def _middleware(app: Any) -> EPDMiddleware:
     while not isinstance(stack, EPDMiddleware):
         stack = stack.app
     return stack
+
+
+# --- large media: the raw-string path gives the very bytes the plain path gives -----------------------
+
+
+def big_png(seed: int) -> str:
+    return base64.b64encode(bytes((seed * 131 + i * 7) % 256 for i in range(30_000))).decode()
+
+
+@pytest.mark.parametrize("surface", ["chat", "messages"])
+@pytest.mark.parametrize("options", [{}, {"rewrite": False}, {"prefill": True}])
+async def test_large_media_bodies_equal_those_of_a_plain_decode(
+    surface: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from epd_middleware import _rawjson
+
+    if surface == "chat":
+        body, path = chat_body(image(big_png(1)), image(big_png(2)), image(big_png(1)), **OPTIONS), None
+    else:
+        body = messages_body(image_block(big_png(1)), image_block(big_png(2), media_type="image/jpeg"))
+        path = "/v1/messages"
+    body["messages"][0]["content"].append({"type": "text", "text": "long words " * 500})
+
+    async def run() -> tuple[list[dict[str, Any]], list[bytes], list[dict[str, Any]]]:
+        encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
+        prefill = FakePrefill([P0]) if options.get("prefill") else None
+        extra = {key: value for key, value in options.items() if key != "prefill"}
+        app, _ = build_app(encoders, engine, prefill, max_batch_size=1, **extra)
+        # A fixed request id: P's fake kv_transfer_params carry it.
+        response = await post(app, body, headers={"x-request-id": "r"}, **({"path": path} if path else {}))
+        assert response.status_code == 200
+        prefill_bodies = [call.body for call in prefill.calls] if prefill else []
+        return [call.body for call in encoders.calls], [r.body for r in engine.received], prefill_bodies
+
+    decoded = _rawjson.decode(json.dumps(body).encode())
+    assert isinstance(decoded["messages"][0]["content"][-1]["text"], _rawjson.Raw)  # the raw path is taken
+    raw_path = await run()
+    monkeypatch.setattr(_rawjson, "_MIN_BODY", 1 << 40)  # never take the raw path
+    plain_path = await run()
+    assert raw_path[0]
+    assert sorted(map(json.dumps, raw_path[0])) == sorted(map(json.dumps, plain_path[0]))
+    assert raw_path[1] == plain_path[1]  # the engine's body, byte for byte
+    assert raw_path[2] == plain_path[2]
