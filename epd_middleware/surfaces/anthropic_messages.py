@@ -35,10 +35,9 @@ from . import (
     with_handles,
 )
 
-_encode = msgspec.json.Encoder().encode
-
 __all__ = ["SURFACE", "AnthropicMessages", "image_url", "may_hold_media", "parse"]
 
+_encode = msgspec.json.Encoder().encode
 _IMAGE = "image"
 _TOOL_RESULT = "tool_result"
 _SOURCE = "source"
