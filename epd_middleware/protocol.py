@@ -15,14 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-# Content part type -> (modality, key of the media inside ``part[type]``). The media sits in an object
-# under the part's type (``{"type": "image_url", "image_url": {"url": ...}}``); ``input_audio`` holds
-# ``{"data": <base64>, "format": "wav"}`` rather than a URL.
-MEDIA_PARTS: Final[dict[str, tuple[str, str]]] = {
-    "image_url": ("image", "url"),
-    "audio_url": ("audio", "url"),
-    "video_url": ("video", "url"),
-    "input_audio": ("audio", "data"),
+# Content part type -> (modality, key that holds the media, key of the media inside that holder). The
+# media sits in an object under the part's type (``{"type": "image_url", "image_url": {"url": ...}}``);
+# ``input_audio`` holds ``{"data": <base64>, "format": "wav"}`` rather than a URL; the Responses-style
+# ``input_image`` part, which vLLM also takes in chat completions (``MM_PARSER_MAP``), holds the URL as a
+# bare string under ``image_url`` (inner key None).
+MEDIA_PARTS: Final[dict[str, tuple[str, str, str | None]]] = {
+    "image_url": ("image", "image_url", "url"),
+    "audio_url": ("audio", "audio_url", "url"),
+    "video_url": ("video", "video_url", "url"),
+    "input_audio": ("audio", "input_audio", "data"),
+    "input_image": ("image", "image_url", None),
 }
 
 # vLLM finds the kind of a part that has no ``type``, or has a ``uuid``, by the first of these keys it

@@ -51,6 +51,8 @@ def content_hash(url: str) -> str:
 
 
 def part_modality(part: dict[str, Any]) -> str:
+    if part.get("type") == "input_image" and part.get("uuid") is None:
+        return "image"
     if part.get("type") in PART_MODALITY and part.get("uuid") is None:
         return PART_MODALITY[part["type"]]
     for key, modality in PART_MODALITY.items():

@@ -45,7 +45,17 @@ urls = st.one_of(
 )
 uuids = st.one_of(st.none(), st.just("same-uuid"), odd_text, json_values)
 part_types = st.sampled_from(
-    ["image_url", "audio_url", "video_url", "input_audio", "image_embeds", "text", "image_pil", "weird"]
+    [
+        "image_url",
+        "audio_url",
+        "video_url",
+        "input_audio",
+        "input_image",
+        "image_embeds",
+        "text",
+        "image_pil",
+        "weird",
+    ]
 )
 
 
@@ -81,6 +91,7 @@ good_parts = st.one_of(
     ),
     st.builds(lambda d: {"type": "input_audio", "input_audio": {"data": d, "format": "wav"}}, good_urls),
     st.builds(lambda u: {"type": "video_url", "video_url": {"url": u}}, good_urls),
+    st.builds(lambda u: {"type": "input_image", "image_url": u}, good_urls),
     st.just({"type": "text", "text": "Describe."}),
 )
 # Mostly well-formed parts, so that most examples reach the encoders, with junk mixed in.

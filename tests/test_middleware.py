@@ -109,6 +109,32 @@ async def test_one_image_is_encoded_and_rewritten_to_a_metadata_reference() -> N
     assert int(engine.received[0].headers["content-length"]) == len(engine.received[0].body)
 
 
+async def test_responses_style_input_image_parts_are_encoded_too() -> None:
+    """vLLM takes ``{"type": "input_image", "image_url": "<url>"}`` in chat completions as well."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    data = png(4)
+    url = f"data:image/png;base64,{data}"
+    part = {"type": "input_image", "image_url": url, "detail": "auto"}
+    response = await post(app, chat_body(part, **OPTIONS))
+    assert response.status_code == 200, response.text
+    [call] = encoders.calls
+    uuid = content_uuid("image", (url,))
+    # With a uuid vLLM finds the kind by the first media key: image_url, here a bare URL string.
+    assert call.body["messages"][0]["content"] == [{**part, "uuid": uuid}]
+    [sent] = media_parts(engine.received[0].json)
+    assert sent == {"type": "image_embeds", "image_embeds": {"image_grid_thw": SMALL_GRID}, "uuid": uuid}
+    assert list(engine.received[0].json["ec_transfer_params"]) == [
+        derived_hash(MODEL, uuid, "image", call.body)
+    ]
+
+    # An input_image whose image_url is an object is not what vLLM takes: it answers that itself.
+    odd = chat_body({"type": "input_image", "image_url": {"url": url}})
+    assert (await post(app, odd)).status_code == 200
+    assert len(encoders.calls) == 1
+    assert engine.received[1].json == odd
+
+
 async def test_options_reach_every_encoder_request_and_handles_use_the_derived_hash() -> None:
     encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
     app, _ = build_app(encoders, engine)

@@ -110,21 +110,23 @@ def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str | Raw, ...] | Non
     kind = _part_kind(part)
     if kind not in p.MEDIA_PARTS:
         return None
-    modality, inner_key = p.MEDIA_PARTS[kind]
-    holder = part.get(kind)
+    modality, holder_key, inner_key = p.MEDIA_PARTS[kind]
+    holder = part.get(holder_key)
     if holder is None:
         return modality, None
+    if inner_key is None and not isinstance(holder, (str, Raw)):
+        raise Unusable  # vLLM validates this holder as a string: let it answer the request
     if kind == "input_audio":
         if not isinstance(holder, dict):
             raise Unusable
-        data, fmt = holder.get(inner_key), holder.get("format")
+        data, fmt = holder.get("data"), holder.get("format")
         if data is None:
             return modality, None
         if not isinstance(data, (str, Raw)) or not isinstance(fmt, (str, type(None))):
             raise Unusable
         return modality, (data, fmt or "")
     # vLLM takes ``{"url": ...}``, and a bare string when the part has a uuid or no type.
-    url = holder.get(inner_key) if isinstance(holder, dict) else holder
+    url = holder.get(inner_key) if isinstance(holder, dict) and inner_key else holder
     if url is None:
         return modality, None
     if not isinstance(url, (str, Raw)):

@@ -168,6 +168,18 @@ def served_requests(server: lab.VLLMServer) -> int:
     return server.log_path.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
 
 
+def test_responses_style_input_image_part_equals_the_single_instance(deployment: Deployment) -> None:
+    url = image(shift=560)
+    before = deployment.stored_hashes()
+    body = seed_request(MODEL, images=[], options=NON_DEFAULT_OPTIONS)
+    body["messages"][0]["content"].insert(0, {"type": "input_image", "image_url": url, "detail": "auto"})
+    baseline = chat(deployment.single, body)
+    response = chat(deployment.pd, body, AUTH)
+    record("E + PD, input_image part, non-default", response, baseline)
+    assert_same(response, baseline)
+    assert len(deployment.stored_hashes() - before) == 1  # encoded remotely
+
+
 def test_several_images_in_one_request_spread_over_two_encoders(deployment: Deployment) -> None:
     urls = [image(shift=20), image(shift=40), image(shift=60)]
     before = deployment.stored_hashes()
