@@ -155,6 +155,10 @@ class EPDConfig(BaseModel):
         default=("/v1/messages",),
         description="Anthropic Messages request paths whose POST bodies are examined (empty: none).",
     )
+    responses_paths: tuple[str, ...] = Field(
+        default=("/v1/responses",),
+        description="OpenAI Responses request paths whose POST bodies are examined (empty: none).",
+    )
     max_body_bytes: int = Field(
         default=64 * 1024 * 1024,
         gt=0,
@@ -255,7 +259,7 @@ class EPDConfig(BaseModel):
                 raise ValueError(f"ec_consumer_zmq {address!r} is not a tcp://HOST:PORT address")
         return address
 
-    @field_validator("paths", "messages_paths")
+    @field_validator("paths", "messages_paths", "responses_paths")
     @classmethod
     def _check_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
         for path in paths:
@@ -282,10 +286,10 @@ class EPDConfig(BaseModel):
                 "at least one encoder URL is required (EPD_ENCODERS or encoders=[...]), or prefill URLs "
                 "for P/D without remote encoders"
             )
-        if set(self.paths) & set(self.messages_paths):
-            raise ValueError(
-                f"paths and messages_paths share {sorted(set(self.paths) & set(self.messages_paths))}"
-            )
+        surfaces = (self.paths, self.messages_paths, self.responses_paths)
+        shared = {path for path in set().union(*surfaces) if sum(path in paths for paths in surfaces) > 1}
+        if shared:
+            raise ValueError(f"paths, messages_paths and responses_paths share {sorted(shared)}")
         if self.max_eject_cooldown < self.eject_cooldown:
             raise ValueError("max_eject_cooldown must not be shorter than eject_cooldown")
         return self
@@ -358,6 +362,7 @@ class EPDOptions(TypedDict, total=False):
     retry_after: int
     paths: Sequence[str]
     messages_paths: Sequence[str]
+    responses_paths: Sequence[str]
     max_body_bytes: int
     max_media_items: int
     max_batch_size: int

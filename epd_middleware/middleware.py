@@ -29,7 +29,7 @@ from .protocol import (
     example_connector_storage,
     mooncake_consumers,
 )
-from .surfaces import ParsedRequest, Surface, anthropic_messages, openai_chat
+from .surfaces import ParsedRequest, Surface, anthropic_messages, openai_chat, openai_responses
 from .transport import HTTPClient, HttpxTransport, Transport
 
 __all__ = ["EPDMiddleware"]
@@ -74,6 +74,7 @@ class EPDMiddleware:
         self._surfaces: dict[str, Surface] = {
             **{path: openai_chat.SURFACE for path in config.paths},
             **{path: anthropic_messages.SURFACE for path in config.messages_paths},
+            **{path: openai_responses.SURFACE for path in config.responses_paths},
         }
         self._status_path = config.status_path
         self._pipeline = Pipeline(config)

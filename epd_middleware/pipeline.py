@@ -1,8 +1,9 @@
 """One request's path, top to bottom: body -> media parts -> plan -> encoder calls -> handles -> engine
 request -> (remote prefill) -> body for the local engine.
 
-The same path serves every surface (chat completions, Anthropic Messages) and every topology: E + PD,
+The same path serves every surface and every topology: E + PD,
 E + P + D (``prefill``), P + D without encoders, and Mooncake push (a consumer address to push to).
+Surfaces: chat completions, Anthropic Messages, OpenAI Responses.
 """
 
 from __future__ import annotations
@@ -108,7 +109,12 @@ class Pipeline:
             notes: list[str] = []
             if request.media and config.encoders:
                 fields = await self._encode(surface, request, context, notes)
-            if config.prefill:
+            blocker = surface.prefill_blocker(fields) if config.prefill else None
+            if blocker is not None:
+                self.stats.request("prefill_skipped")
+                notes.append(f"prefilled here: {blocker}")
+                fields = decode_fields(fields, None)
+            elif config.prefill:
                 fields = await self._prefill(surface, fields, context, notes, encoded=bool(request.media))
             body = encode_fields(fields)
             if notes and logger.isEnabledFor(logging.INFO):
@@ -179,7 +185,7 @@ class Pipeline:
         metadata = part_metadata(
             keys,
             outcome.handles,
-            rewrite=config.rewrite and surface.pins_uuids,
+            rewrite=config.rewrite and surface.rewrites,
             keep_raw=request.referenced_modalities,
         )
         ec_params = transfer_params(outcome.handles)
@@ -234,7 +240,7 @@ class Pipeline:
             kv_params = await prefill(
                 self.prefill,
                 context.client,
-                surface.path,
+                surface,
                 fields,
                 self._headers(context, "prefill"),
                 retry_after=config.retry_after,

@@ -3,7 +3,8 @@ server (a vLLM ``kv_producer``); what P answers in ``kv_transfer_params`` tells 
 decoder, ``kv_consumer``) where to take the KV cache from.
 
 The prefill request is the engine's request with vLLM's P/D overrides: P keeps the KV cache for a remote
-decoder, answers at once (no stream) and stops after one token. Calls spread over the prefill pool and
+decoder, answers at once (no stream) and stops after one token (each surface names its own token
+limits). Calls spread over the prefill pool and
 fail over like encoder calls (:mod:`epd_middleware.pool`).
 """
 
@@ -16,29 +17,18 @@ import anyio
 
 from .errors import NoHealthyUpstream, UpstreamBadReply
 from .pool import Attempt, ServerPool
-from .protocol import (
-    KV_TRANSFER_PARAMS,
-    MAX_COMPLETION_TOKENS,
-    MAX_TOKENS,
-    MIN_TOKENS,
-    PREFILL_KV_TRANSFER_PARAMS,
-    STREAM,
-    STREAM_OPTIONS,
-)
-from .surfaces import encode_fields
+from .protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
+from .surfaces import Surface, encode_fields
 from .transport import Transport
 
 __all__ = ["decode_fields", "prefill", "prefill_fields"]
 
 
-def prefill_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+def prefill_fields(fields: Mapping[str, Any], surface: Surface) -> dict[str, Any]:
     """The prefill request for an engine request: a new dict, ``fields`` untouched."""
     out = dict(fields)
     out[KV_TRANSFER_PARAMS] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    out[STREAM] = False
-    out[MAX_TOKENS] = 1
-    if MAX_COMPLETION_TOKENS in out:
-        out[MAX_COMPLETION_TOKENS] = 1
+    out.update(surface.prefill_limits(fields))
     out.pop(STREAM_OPTIONS, None)  # vLLM rejects stream_options without stream
     out.pop(MIN_TOKENS, None)  # and min_tokens above max_tokens
     return out
@@ -58,7 +48,7 @@ def decode_fields(fields: Mapping[str, Any], kv_transfer_params: dict[str, Any] 
 async def prefill(
     pool: ServerPool,
     client: Transport,
-    path: str,
+    surface: Surface,
     fields: Mapping[str, Any],
     headers: Mapping[str, str],
     *,
@@ -68,8 +58,8 @@ async def prefill(
     server = pool.pick(anyio.current_time())
     if server is None:
         raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
-    body = encode_fields(prefill_fields(fields))
-    return await pool.call(client, server, path, lambda: Attempt(body, _kv_transfer_params), headers)
+    body = encode_fields(prefill_fields(fields, surface))
+    return await pool.call(client, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers)
 
 
 def _kv_transfer_params(server: str, reply: dict[str, Any]) -> dict[str, Any] | None:

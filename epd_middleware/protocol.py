@@ -63,6 +63,7 @@ FORWARDED_OPTIONS: Final[tuple[str, ...]] = (
 # Encoders are always driven through chat completions, whatever surface the client used.
 CHAT_COMPLETIONS_PATH: Final = "/v1/chat/completions"
 MESSAGES_PATH: Final = "/v1/messages"
+RESPONSES_PATH: Final = "/v1/responses"
 
 MODEL: Final = "model"
 MESSAGES: Final = "messages"

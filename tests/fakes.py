@@ -255,6 +255,7 @@ class FakeEngine:
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", other, methods=["POST"]),
                 Route("/v1/messages", messages, methods=["POST"]),
+                Route("/v1/responses", other, methods=["POST"]),
                 Route("/health", health, methods=["GET"]),
             ]
         )

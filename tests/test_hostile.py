@@ -182,6 +182,34 @@ def messages_bodies(draw: st.DrawFn) -> Any:
     return draw(st.one_of(st.just(body), st.just(body), st.just(body), json_values))
 
 
+@st.composite
+def responses_bodies(draw: st.DrawFn) -> Any:
+    item = st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.one_of(st.sampled_from(["user", "assistant", "system"]), json_values),
+                "content": st.one_of(st.lists(parts, max_size=5), odd_text, json_values),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call_output"),
+                "call_id": st.just("c"),
+                "output": st.one_of(st.lists(parts, max_size=3), json_values),
+            }
+        ),
+        json_values,
+    )
+    body: dict[str, Any] = {
+        "model": "m",
+        "input": draw(st.one_of(st.lists(item, min_size=1, max_size=3), odd_text, json_values)),
+    }
+    for name in ("ec_transfer_params", "mm_processor_kwargs", "previous_response_id", "stream"):
+        if draw(st.integers(0, 3)) == 0:
+            body[name] = draw(json_values)
+    return draw(st.one_of(st.just(body), st.just(body), st.just(body), json_values))
+
+
 P0 = "http://prefill-0:8100"
 
 
@@ -261,16 +289,30 @@ async def test_generated_messages_bodies(body: Any) -> None:
 
 
 @SETTINGS
-@given(body=st.one_of(chat_bodies(), messages_bodies()), messages=st.booleans())
-async def test_generated_bodies_with_remote_prefill(body: Any, messages: bool) -> None:
+@given(body=responses_bodies())
+async def test_generated_responses_bodies(body: Any) -> None:
     raw = json.dumps(body).encode()
-    path = "/v1/messages" if messages else "/v1/chat/completions"
+    check(*(await drive(raw, path="/v1/responses")), raw)
+
+
+PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
+@SETTINGS
+@given(
+    body=st.one_of(chat_bodies(), messages_bodies(), responses_bodies()),
+    surface=st.sampled_from(sorted(PATHS)),
+)
+async def test_generated_bodies_with_remote_prefill(body: Any, surface: str) -> None:
+    raw = json.dumps(body).encode()
+    path = PATHS[surface]
     result = await drive(raw, path=path, prefill=[P0])
     check(*result, raw, prefill=True)
     _, _, engine_bodies = result
     if engine_bodies and engine_bodies[0] != raw:
         sent = json.loads(engine_bodies[0])
-        assert sent["kv_transfer_params"] == {"remote_engine_id": "p"}  # every rewritten body got P's
+        if not (surface == "responses" and sent.get("previous_response_id")):  # history stays here
+            assert sent["kv_transfer_params"] == {"remote_engine_id": "p"}  # every rewritten body got P's
 
 
 @SETTINGS

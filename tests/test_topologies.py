@@ -479,6 +479,84 @@ def _middleware(app: Any) -> EPDMiddleware:
     return stack
 
 
+# --- OpenAI Responses -----------------------------------------------------------------------------
+
+
+def responses_body(*items: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "input": list(items), "max_output_tokens": 16, **fields}
+
+
+def input_image(data: str) -> dict[str, Any]:
+    return {"type": "input_image", "image_url": f"data:image/png;base64,{data}", "detail": "auto"}
+
+
+async def test_responses_images_are_encoded_with_options_and_pinned_never_rewritten() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, max_batch_size=8)
+    body = responses_body(
+        {"role": "user", "content": [input_image(png(1)), {"type": "input_text", "text": "Describe."}]},
+        {"role": "assistant", "content": [input_image(png(2))]},  # vLLM keeps only an assistant's text
+        {"type": "function_call_output", "call_id": "c1", "output": [input_image(png(3))]},
+        **OPTIONS,
+    )
+    response = await post(app, body, path="/v1/responses")
+    assert response.status_code == 200
+
+    [call] = encoders.calls
+    parts = call.body["messages"][0]["content"]
+    urls = [part["image_url"] for part in parts]
+    assert urls == [f"data:image/png;base64,{png(1)}", f"data:image/png;base64,{png(3)}"]
+    assert call.body["mm_processor_kwargs"] == OPTIONS["mm_processor_kwargs"]
+    uuids = [part["uuid"] for part in parts]
+
+    local = engine.received[0].json
+    assert local["input"][0]["content"][0] == {**input_image(png(1)), "uuid": uuids[0]}
+    assert local["input"][1] == body["input"][1]  # untouched
+    assert local["input"][2]["output"][0] == {**input_image(png(3)), "uuid": uuids[1]}
+    assert set(local["ec_transfer_params"]) == {
+        derived_hash(MODEL, uuid, "image", call.body) for uuid in uuids
+    }
+
+
+async def test_responses_text_input_passes_byte_for_byte() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    body = {"model": MODEL, "input": "Describe an image_url in words."}
+    assert (await post(app, body, path="/v1/responses")).status_code == 200
+    assert encoders.calls == []
+    assert engine.received[0].body == json.dumps(body).encode()
+
+
+async def test_responses_prefill_caps_output_tokens_and_keeps_p_from_storing() -> None:
+    encoders, prefill, engine = FakeEncoders([E0]), FakePrefill([P0]), FakeEngine()
+    app, _ = build_app(encoders, engine, prefill)
+    body = responses_body({"role": "user", "content": [input_image(png(1))]}, stream=True, store=True)
+    assert (await post(app, body, path="/v1/responses")).status_code == 200
+    [call] = prefill.calls
+    assert call.path == "/v1/responses"
+    assert call.body["max_output_tokens"] == 1
+    assert call.body["stream"] is False
+    assert call.body["store"] is False
+    assert call.body["background"] is False
+    assert call.body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+    local = engine.received[0].json
+    assert local["kv_transfer_params"]["remote_engine_id"] == f"engine@{P0}"
+    assert local["stream"] is True
+    assert local["store"] is True
+    assert local["max_output_tokens"] == 16
+
+
+async def test_responses_continuing_a_stored_conversation_are_prefilled_here() -> None:
+    encoders, prefill, engine = FakeEncoders([E0]), FakePrefill([P0]), FakeEngine()
+    app, _ = build_app(encoders, engine, prefill)
+    body = responses_body({"role": "user", "content": [input_image(png(1))]}, previous_response_id="resp_1")
+    assert (await post(app, body, path="/v1/responses")).status_code == 200
+    assert prefill.calls == []  # P does not hold resp_1
+    assert len(encoders.calls) == 1  # the new image is still encoded remotely
+    assert "kv_transfer_params" not in engine.received[0].json
+    assert _middleware(app).pipeline.counters["prefill_skipped"] == 1
+
+
 # --- large media: the raw-string path gives the very bytes the plain path gives -----------------------
 
 
@@ -486,7 +564,7 @@ def big_png(seed: int) -> str:
     return base64.b64encode(bytes((seed * 131 + i * 7) % 256 for i in range(30_000))).decode()
 
 
-@pytest.mark.parametrize("surface", ["chat", "messages"])
+@pytest.mark.parametrize("surface", ["chat", "messages", "responses"])
 @pytest.mark.parametrize("options", [{}, {"rewrite": False}, {"prefill": True}])
 async def test_large_media_bodies_equal_those_of_a_plain_decode(
     surface: str, options: dict[str, Any], monkeypatch: pytest.MonkeyPatch
@@ -495,10 +573,15 @@ async def test_large_media_bodies_equal_those_of_a_plain_decode(
 
     if surface == "chat":
         body, path = chat_body(image(big_png(1)), image(big_png(2)), image(big_png(1)), **OPTIONS), None
-    else:
+    elif surface == "messages":
         body = messages_body(image_block(big_png(1)), image_block(big_png(2), media_type="image/jpeg"))
         path = "/v1/messages"
-    body["messages"][0]["content"].append({"type": "text", "text": "long words " * 500})
+    else:
+        parts = [input_image(big_png(1)), input_image(big_png(2))]
+        body = {"model": MODEL, "input": [{"role": "user", "content": parts}], **OPTIONS}
+        path = "/v1/responses"
+    key = "input" if surface == "responses" else "messages"
+    body[key][0]["content"].append({"type": "text", "text": "long words " * 500})
 
     async def run() -> tuple[list[dict[str, Any]], list[bytes], list[dict[str, Any]]]:
         encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
@@ -512,7 +595,7 @@ async def test_large_media_bodies_equal_those_of_a_plain_decode(
         return [call.body for call in encoders.calls], [r.body for r in engine.received], prefill_bodies
 
     decoded = _rawjson.decode(json.dumps(body).encode())
-    assert isinstance(decoded["messages"][0]["content"][-1]["text"], _rawjson.Raw)  # the raw path is taken
+    assert isinstance(decoded[key][0]["content"][-1]["text"], _rawjson.Raw)  # the raw path is taken
     raw_path = await run()
     monkeypatch.setattr(_rawjson, "_MIN_BODY", 1 << 40)  # never take the raw path
     plain_path = await run()

@@ -1,8 +1,8 @@
 """Request surfaces: where media sits in a request body and how the body is written back for the engine.
 
-Each surface (OpenAI chat completions, Anthropic Messages) is one adapter module that holds all its
-protocol knowledge; the pipeline drives any of them through :class:`Surface` and never looks inside a
-body itself.
+Each surface (OpenAI chat completions, Anthropic Messages, OpenAI Responses) is one adapter module that
+holds all its protocol knowledge; the pipeline drives any of them through :class:`Surface` and never
+looks inside a body itself.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "decode_object",
     "encode_fields",
     "encoder_request",
+    "no_prefill_blocker",
     "parse_with",
     "with_handles",
 ]
@@ -82,6 +83,11 @@ class Surface(Protocol):
         ...
 
     @property
+    def rewrites(self) -> bool:
+        """True when encoded parts may become metadata-only references (the surface has such parts)."""
+        ...
+
+    @property
     def pins_uuids(self) -> bool:
         """True when the engine's parts carry the uuid the encoder was sent (and may become metadata-only
         references); False when the engine hashes the media itself, so the encoder must be sent no uuid
@@ -90,6 +96,16 @@ class Surface(Protocol):
 
     def may_hold_media(self, body: bytes) -> bool:
         """False only when the body surely holds no media: decides the no-parse pass-through."""
+        ...
+
+    def prefill_blocker(self, fields: Mapping[str, Any]) -> str | None:
+        """Why this request cannot be prefilled on another server (it refers to state kept here), or
+        None."""
+        ...
+
+    def prefill_limits(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields that make a prefill request of this surface stop after one token and answer at
+        once (``max_tokens: 1``, ``stream: false`` ...), given the engine request's fields."""
         ...
 
     def parse(self, body: bytes) -> ParsedRequest | None:
@@ -180,6 +196,11 @@ def encoder_request(
     if ec_transfer_params:
         body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
     return encode_fields(body)
+
+
+def no_prefill_blocker(fields: Mapping[str, Any]) -> str | None:
+    """For surfaces whose requests carry all they need: any prefill server can take them."""
+    return None
 
 
 def with_handles(fields: dict[str, Any], ec_transfer_params: Mapping[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from . import (
     Unusable,
     checked_messages,
     encoder_request,
+    no_prefill_blocker,
     parse_with,
     with_handles,
 )
@@ -133,12 +134,21 @@ def engine_fields(
     return with_handles(dict(request.fields), ec_transfer_params)
 
 
+def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """Messages has one token limit, ``max_tokens`` (vLLM skips its thinking-budget check on a leg with
+    ``do_remote_decode``)."""
+    return {p.MAX_TOKENS: 1, p.STREAM: False}
+
+
 class AnthropicMessages:
     """The Anthropic Messages surface, for the pipeline."""
 
     name = "messages"
     path = p.MESSAGES_PATH
+    rewrites = False
     pins_uuids = False
+    prefill_limits = staticmethod(prefill_limits)
+    prefill_blocker = staticmethod(no_prefill_blocker)
     may_hold_media = staticmethod(may_hold_media)
     parse = staticmethod(parse)
     encoder_part = staticmethod(encoder_part)

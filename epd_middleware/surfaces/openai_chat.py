@@ -20,6 +20,7 @@ from . import (
     checked_messages,
     encode_fields,
     encoder_request,
+    no_prefill_blocker,
     parse_with,
     with_handles,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "forwarded_options",
     "may_hold_media",
     "parse",
+    "prefill_limits",
     "rewritten_body",
 ]
 
@@ -78,7 +80,7 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
         for part_index, part in enumerate(content):
             if not isinstance(part, dict):
                 continue  # plain-string parts are text; vLLM judges anything else
-            found = _media_of(part)
+            found = media_of(part)
             if found is None:
                 continue
             modality, media_content = found
@@ -105,7 +107,7 @@ def _part_kind(part: Mapping[str, Any]) -> str | None:
     return part_type
 
 
-def _media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str | Raw, ...] | None] | None:
+def media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str | Raw, ...] | None] | None:
     """(modality, media content) for a raw media part, content None for a uuid-only reference."""
     kind = _part_kind(part)
     if kind not in p.MEDIA_PARTS:
@@ -195,12 +197,24 @@ def rewritten_body(
     return encode_fields(engine_fields(request, uuids, metadata, ec_transfer_params))
 
 
+def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """``max_tokens: 1``, and ``max_completion_tokens: 1`` when the client sent it: vLLM prefers that
+    field to ``max_tokens``, so it must be capped too."""
+    limits: dict[str, Any] = {p.MAX_TOKENS: 1, p.STREAM: False}
+    if p.MAX_COMPLETION_TOKENS in fields:
+        limits[p.MAX_COMPLETION_TOKENS] = 1
+    return limits
+
+
 class ChatCompletions:
     """The chat-completions surface, for the pipeline."""
 
     name = "chat"
     path = p.CHAT_COMPLETIONS_PATH
+    rewrites = True
     pins_uuids = True
+    prefill_limits = staticmethod(prefill_limits)
+    prefill_blocker = staticmethod(no_prefill_blocker)
     may_hold_media = staticmethod(may_hold_media)
     parse = staticmethod(parse)
     encoder_part = staticmethod(encoder_part)

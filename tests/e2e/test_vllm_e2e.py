@@ -169,7 +169,7 @@ def served_requests(server: lab.VLLMServer) -> int:
 
 
 def test_responses_style_input_image_part_equals_the_single_instance(deployment: Deployment) -> None:
-    url = image(shift=560)
+    url = image(shift=15)
     before = deployment.stored_hashes()
     body = seed_request(MODEL, images=[], options=NON_DEFAULT_OPTIONS)
     body["messages"][0]["content"].insert(0, {"type": "input_image", "image_url": url, "detail": "auto"})
@@ -289,11 +289,12 @@ def log_count(server: lab.VLLMServer, text: str) -> int:
 
 
 @pytest.mark.parametrize("options", [None, NON_DEFAULT_OPTIONS], ids=["default", "non-default"])
+# Shifts stay under 540: beyond it every square leaves the 800x600 canvas and all images are the same.
 def test_remote_prefill_e_p_d_equals_the_single_instance(
     deployment: Deployment, options: dict[str, Any] | None
 ) -> None:
     """E -> P -> D: the middleware on D encodes on E, prefills on P (kv_producer), D decodes from P's KV."""
-    body = seed_request(MODEL, images=[image(shift=500 if options is None else 510)], options=options)
+    body = seed_request(MODEL, images=[image(shift=65 if options is None else 75)], options=options)
     baseline = chat(deployment.single, body)
     prefills, hits = served_requests(deployment.control), log_count(deployment.pd_decode, KV_HIT)
     encoded = sum(served_requests(server) for server in deployment.encoders)
@@ -323,7 +324,7 @@ def test_remote_prefill_text_only_and_streaming(deployment: Deployment) -> None:
     assert log_count(deployment.pd_decode, KV_HIT) == hits + 1
 
     streamed = []
-    image_body = seed_request(MODEL, images=[image(shift=520)])
+    image_body = seed_request(MODEL, images=[image(shift=85)])
     plain = chat(deployment.single, image_body)
     with httpx.stream(
         "POST",
@@ -390,7 +391,7 @@ def assert_same_message(case: str, response: httpx.Response, baseline: httpx.Res
 def test_anthropic_messages_equal_the_single_instance_and_pd_loads_the_embedding(
     deployment: Deployment,
 ) -> None:
-    body = messages_body(image(shift=530))
+    body = messages_body(image(shift=45))
     baseline = anthropic(deployment.single, body)
     before = deployment.stored_hashes()
     response = anthropic(deployment.pd, body, AUTH)
@@ -401,11 +402,67 @@ def test_anthropic_messages_equal_the_single_instance_and_pd_loads_the_embedding
 
 
 def test_anthropic_messages_through_remote_prefill(deployment: Deployment) -> None:
-    body = messages_body(image(shift=540))
+    body = messages_body(image(shift=55))
     baseline = anthropic(deployment.single, body)
     hits = log_count(deployment.pd_decode, KV_HIT)
     response = anthropic(deployment.pd_decode, body)
     assert_same_message("E + P + D, Anthropic Messages", response, baseline)
+    assert log_count(deployment.pd_decode, KV_HIT) == hits + 1
+
+
+def responses_body(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    content = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": PROMPT}]
+    return {
+        "model": MODEL,
+        "input": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_output_tokens": 16,
+        **(options or {}),
+    }
+
+
+def assert_same_response(case: str, response: httpx.Response, baseline: httpx.Response) -> None:
+    def answer(reply: httpx.Response) -> tuple[Any, Any]:
+        body = reply.json()
+        texts = [part.get("text") for item in body["output"] for part in item.get("content", [])]
+        return texts, (body["usage"]["input_tokens"], body["usage"]["output_tokens"])
+
+    same = response.status_code == baseline.status_code == 200 and answer(response) == answer(baseline)
+    REPORT.append(
+        {
+            "case": case,
+            "status": response.status_code,
+            "seconds": response.elapsed_s,  # type: ignore[attr-defined]
+            "prompt_tokens": answer(response)[1][0] if response.status_code == 200 else "-",
+            "match": same,
+            "output": "".join(answer(response)[0]) if response.status_code == 200 else response.text[:200],
+        }
+    )
+    assert response.status_code == 200, response.text
+    assert baseline.status_code == 200, baseline.text
+    assert answer(response) == answer(baseline)
+
+
+def test_openai_responses_equal_the_single_instance_and_pd_loads_the_embedding(
+    deployment: Deployment,
+) -> None:
+    url = image(shift=25)
+    body = responses_body(url, NON_DEFAULT_OPTIONS)
+    baseline = post(deployment.single, "/v1/responses", body)
+    before = deployment.stored_hashes()
+    response = post(deployment.pd, "/v1/responses", body, AUTH)
+    assert_same_response("E + PD, OpenAI Responses, non-default", response, baseline)
+    [stored] = deployment.stored_hashes() - before  # the hash derived from the pinned uuid + options
+    assert stored != content_uuid("image", (url,))
+    assert log_count(deployment.pd, f"Success load encoder cache for hash {stored}") == 1
+
+
+def test_openai_responses_through_remote_prefill(deployment: Deployment) -> None:
+    body = responses_body(image(shift=35), None)
+    baseline = post(deployment.single, "/v1/responses", body)
+    hits = log_count(deployment.pd_decode, KV_HIT)
+    response = post(deployment.pd_decode, "/v1/responses", body)
+    assert_same_response("E + P + D, OpenAI Responses", response, baseline)
     assert log_count(deployment.pd_decode, KV_HIT) == hits + 1
 
 

@@ -1,0 +1,158 @@
+"""The OpenAI Responses surface (``POST /v1/responses``): where images sit in the body.
+
+vLLM 0.32 turns a Responses request into chat messages (``entrypoints/openai/responses/utils.py``,
+``construct_input_messages``) and parses their content with the chat-completions parser: a user (or
+system, developer) message item keeps its content list, so its ``input_image`` parts (``{"type":
+"input_image", "image_url": "<url>"}``) are images found exactly as in chat completions, a ``uuid``
+included (the request's items keep extra keys); a ``function_call_output`` item becomes a tool message
+whose content is its ``output``, images included; an assistant item keeps only its first text. The
+request takes ``mm_processor_kwargs``, ``media_io_kwargs``, ``priority`` and ``ec_transfer_params``
+like chat completions.
+
+So parts are found and encoded as chat parts are, with the content uuid pinned, and the options are
+forwarded. They are never rewritten to metadata-only references: a Responses input item accepts only
+the OpenAI content part types, so the engine still decodes the image to place its tokens and takes the
+embedding from ``ec_transfer_params`` under the hash the encoder reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from epd_middleware import protocol as p
+
+from . import MediaPart, ParsedRequest, Unusable, encoder_request, parse_with, with_handles
+from .openai_chat import forwarded_options, media_of
+
+__all__ = ["SURFACE", "OpenAIResponses", "may_hold_media", "parse"]
+
+_INPUT = "input"
+_OUTPUT = "output"
+_TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
+# A Responses request that continues a stored conversation: its history lives on this server only.
+_HISTORY_FIELDS = ("previous_response_id", "conversation")
+
+
+def may_hold_media(body: bytes) -> bool:
+    """Every image part holds an ``image_url`` key (``input_image``, or chat-style parts)."""
+    return b'image_url"' in body
+
+
+def parse(body: bytes) -> ParsedRequest | None:
+    """The image parts of a Responses body, or None when the body should pass through as it is."""
+    return parse_with(body, _find_media)
+
+
+def _parts_key(item: Mapping[str, Any]) -> str | None:
+    """Where vLLM takes an input item's content parts from, or None when it takes no media from it."""
+    if item.get(p.TYPE) in _TOOL_OUTPUTS:
+        return _OUTPUT
+    role = item.get("role")
+    if role is None or role == "assistant":
+        return None  # output items, reasoning, calls; an assistant item keeps only its first text
+    return p.CONTENT
+
+
+def _find_media(fields: dict[str, Any]) -> ParsedRequest:
+    items = fields.get(_INPUT)
+    ec_params = fields.get(p.EC_TRANSFER_PARAMS)
+    if ec_params is not None and not isinstance(ec_params, dict):
+        raise Unusable
+    if not isinstance(items, list):
+        return ParsedRequest(fields, ())  # a plain text input
+    media: list[MediaPart] = []
+    referenced: set[str] = set()
+    for item_index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise Unusable
+        key = _parts_key(item)
+        parts = item.get(key) if key else None
+        if not isinstance(parts, list):
+            continue
+        for part_index, part in enumerate(parts):
+            if not isinstance(part, dict):
+                continue
+            found = media_of(part)
+            if found is None:
+                continue
+            modality, content = found
+            if content is None:
+                referenced.add(modality)
+                continue
+            client_uuid = part.get(p.UUID)
+            if client_uuid is not None and not isinstance(client_uuid, str):
+                raise Unusable
+            media.append(MediaPart((item_index, part_index), modality, part, content, client_uuid))
+    return ParsedRequest(fields, tuple(media), frozenset(referenced))
+
+
+def encoder_part(media: MediaPart, uuid: str) -> dict[str, Any]:
+    """The part as an encoder receives it (in a chat-completions request): the client's part with the
+    item's uuid; with a uuid vLLM reads an ``input_image`` by its ``image_url`` key, as the engine will."""
+    return {**media.part, p.UUID: uuid}
+
+
+def encoder_body(
+    request: ParsedRequest,
+    parts: Sequence[Mapping[str, Any]],
+    ec_transfer_params: Mapping[str, Any] | None = None,
+) -> bytes:
+    """The encoder request for ``parts``, with the per-request options the local engine will apply."""
+    return encoder_request(request.fields.get(p.MODEL), parts, forwarded_options(request), ec_transfer_params)
+
+
+def engine_fields(
+    request: ParsedRequest,
+    uuids: Sequence[str],
+    metadata: Sequence[Mapping[str, Any] | None],
+    ec_transfer_params: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The client's body with every media part's uuid pinned and the handles merged in."""
+    fields = dict(request.fields)
+    items = list(fields[_INPUT])
+    copied: set[int] = set()
+    for media, uuid in zip(request.media, uuids, strict=True):
+        item_index, part_index = media.location
+        key = _parts_key(items[item_index])
+        assert key is not None  # the part was found there
+        if item_index not in copied:
+            item = dict(items[item_index])
+            item[key] = list(item[key])
+            items[item_index] = item
+            copied.add(item_index)
+        items[item_index][key][part_index] = {**media.part, p.UUID: uuid}
+    fields[_INPUT] = items
+    return with_handles(fields, ec_transfer_params)
+
+
+def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """One output token, no stream, and neither stored nor run in the background on P."""
+    return {"max_output_tokens": 1, p.STREAM: False, "store": False, "background": False}
+
+
+def prefill_blocker(fields: Mapping[str, Any]) -> str | None:
+    """Why this request cannot be prefilled elsewhere: a stored conversation it continues is only here."""
+    for name in _HISTORY_FIELDS:
+        if fields.get(name):
+            return f"{name} refers to history stored on this server"
+    return None
+
+
+class OpenAIResponses:
+    """The Responses surface, for the pipeline."""
+
+    name = "responses"
+    path = p.RESPONSES_PATH
+    rewrites = False
+    pins_uuids = True
+    may_hold_media = staticmethod(may_hold_media)
+    parse = staticmethod(parse)
+    encoder_part = staticmethod(encoder_part)
+    encoder_body = staticmethod(encoder_body)
+    engine_fields = staticmethod(engine_fields)
+    prefill_limits = staticmethod(prefill_limits)
+    prefill_blocker = staticmethod(prefill_blocker)
+
+
+SURFACE = OpenAIResponses()
