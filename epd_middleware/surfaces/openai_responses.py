@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epd_middleware import protocol as p
+from epd_middleware._rawjson import text_of
 
 from . import MediaPart, ParsedRequest, Unusable, encoder_request, parse_with, with_handles
 from .openai_chat import forwarded_options, media_of
@@ -80,7 +81,7 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
             if content is None:
                 referenced.add(modality)
                 continue
-            client_uuid = part.get(p.UUID)
+            client_uuid = text_of(part.get(p.UUID))
             if client_uuid is not None and not isinstance(client_uuid, str):
                 raise Unusable
             media.append(MediaPart((item_index, part_index), modality, part, content, client_uuid))
