@@ -23,8 +23,11 @@ from typing import Any
 from epd_middleware import protocol as p
 from epd_middleware._rawjson import text_of
 
-from . import MediaPart, ParsedRequest, Unusable, encoder_request, parse_with, with_handles
-from .openai_chat import forwarded_options, media_of
+from . import MediaPart, ParsedRequest, Unusable, parse_with, with_handles
+
+# An encoder sees the parts and options exactly as in a chat request: with a uuid, vLLM reads an
+# ``input_image`` part by its ``image_url`` key, as the engine will.
+from .openai_chat import encoder_body, encoder_part, media_of
 
 __all__ = ["SURFACE", "OpenAIResponses", "may_hold_media", "parse"]
 
@@ -86,21 +89,6 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
                 raise Unusable
             media.append(MediaPart((item_index, part_index), modality, part, content, client_uuid))
     return ParsedRequest(fields, tuple(media), frozenset(referenced))
-
-
-def encoder_part(media: MediaPart, uuid: str) -> dict[str, Any]:
-    """The part as an encoder receives it (in a chat-completions request): the client's part with the
-    item's uuid; with a uuid vLLM reads an ``input_image`` by its ``image_url`` key, as the engine will."""
-    return {**media.part, p.UUID: uuid}
-
-
-def encoder_body(
-    request: ParsedRequest,
-    parts: Sequence[Mapping[str, Any]],
-    ec_transfer_params: Mapping[str, Any] | None = None,
-) -> bytes:
-    """The encoder request for ``parts``, with the per-request options the local engine will apply."""
-    return encoder_request(request.fields.get(p.MODEL), parts, forwarded_options(request), ec_transfer_params)
 
 
 def engine_fields(
