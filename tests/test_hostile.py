@@ -20,7 +20,7 @@ from .test_middleware import http_scope
 pytestmark = pytest.mark.anyio
 
 E0, E1 = "http://enc-0:8001", "http://enc-1:8001"
-LIMITS = {"max_body_bytes": 200_000, "max_media_items": 16, "max_batch_size": 4}
+LIMITS = {"max_body_bytes": 400_000, "max_media_items": 16, "max_batch_size": 4}
 
 scalars = st.one_of(
     st.none(),
@@ -279,6 +279,20 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 async def test_generated_bodies(body: Any) -> None:
     raw = json.dumps(body).encode()
     check(*(await drive(raw)), raw)
+
+
+@SETTINGS
+@given(body=st.one_of(chat_bodies(), responses_bodies()), long_url=st.booleans())
+async def test_generated_bodies_with_long_strings(body: Any, long_url: bool) -> None:
+    """The same hostile shapes, with strings long enough to stay raw (``_rawjson``)."""
+    if isinstance(body, dict):
+        body = {**body, "zz_pad": "A" * 20_000}
+        if long_url and isinstance(body.get("messages"), list):
+            long = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "QUJD" * 3000}}
+            body["messages"] = [*body["messages"], {"role": "user", "content": [long]}]
+    raw = json.dumps(body).encode()
+    path = "/v1/responses" if isinstance(body, dict) and "input" in body else "/v1/chat/completions"
+    check(*(await drive(raw, path=path)), raw)
 
 
 @SETTINGS
