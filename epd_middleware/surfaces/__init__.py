@@ -7,7 +7,7 @@ looks inside a body itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,7 @@ __all__ = [
     "no_prefill_blocker",
     "parse_with",
     "with_handles",
+    "with_parts",
 ]
 
 _encode = msgspec.json.Encoder().encode
@@ -196,6 +197,28 @@ def encoder_request(
     if ec_transfer_params:
         body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
     return encode_fields(body)
+
+
+def with_parts(
+    containers: Sequence[Any],
+    key_of: Callable[[Mapping[str, Any]], str],
+    parts: Iterable[tuple[tuple[int, ...], Mapping[str, Any]]],
+) -> list[Any]:
+    """``containers`` (messages, input items) with ``parts`` put in place: each ``((container index,
+    part index), part)`` replaces that part of the list under ``key_of(container)``. Only the containers
+    and lists it changes are copied; the client's body is never mutated."""
+    out = list(containers)
+    copied: set[int] = set()
+    for location, part in parts:
+        container_index, part_index = location
+        key = key_of(out[container_index])
+        if container_index not in copied:
+            container = dict(out[container_index])
+            container[key] = list(container[key])
+            out[container_index] = container
+            copied.add(container_index)
+        out[container_index][key][part_index] = part
+    return out
 
 
 def no_prefill_blocker(fields: Mapping[str, Any]) -> str | None:

@@ -23,6 +23,7 @@ from . import (
     no_prefill_blocker,
     parse_with,
     with_handles,
+    with_parts,
 )
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "encoder_body",
     "encoder_part",
     "engine_fields",
+    "find_parts",
     "forwarded_options",
     "may_hold_media",
     "parse",
@@ -75,23 +77,28 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
         if not isinstance(message, dict):
             raise Unusable
         content = message.get(p.CONTENT)
-        if not isinstance(content, list):
-            continue
-        for part_index, part in enumerate(content):
-            if not isinstance(part, dict):
-                continue  # plain-string parts are text; vLLM judges anything else
-            found = media_of(part)
-            if found is None:
-                continue
-            modality, media_content = found
-            if media_content is None:
-                referenced.add(modality)
-                continue
-            client_uuid = text_of(part.get(p.UUID))
-            if client_uuid is not None and not isinstance(client_uuid, str):
-                raise Unusable
-            media.append(MediaPart((message_index, part_index), modality, part, media_content, client_uuid))
+        if isinstance(content, list):
+            find_parts(message_index, content, media, referenced)
     return ParsedRequest(fields, tuple(media), frozenset(referenced))
+
+
+def find_parts(index: int, parts: list[Any], media: list[MediaPart], referenced: set[str]) -> None:
+    """The media parts of one content list (vLLM's chat parser reads it), into ``media`` at locations
+    ``(index, part index)``; the modalities referenced by uuid alone into ``referenced``."""
+    for part_index, part in enumerate(parts):
+        if not isinstance(part, dict):
+            continue  # plain-string parts are text; vLLM judges anything else
+        found = media_of(part)
+        if found is None:
+            continue
+        modality, media_content = found
+        if media_content is None:
+            referenced.add(modality)
+            continue
+        client_uuid = text_of(part.get(p.UUID))
+        if client_uuid is not None and not isinstance(client_uuid, str):
+            raise Unusable
+        media.append(MediaPart((index, part_index), modality, part, media_content, client_uuid))
 
 
 def _part_kind(part: Mapping[str, Any]) -> str | None:
@@ -168,23 +175,22 @@ def engine_fields(
     same hash as the encoder did. The handles are merged over the client's own ``ec_transfer_params``.
     """
     fields = dict(request.fields)
-    messages = list(fields[p.MESSAGES])
-    copied: set[int] = set()
-    for media, uuid, meta in zip(request.media, uuids, metadata, strict=True):
-        message_index, part_index = media.location
-        if message_index not in copied:
-            message = dict(messages[message_index])
-            message[p.CONTENT] = list(message[p.CONTENT])
-            messages[message_index] = message
-            copied.add(message_index)
-        content = messages[message_index][p.CONTENT]
-        if meta is None:
-            content[part_index] = {**media.part, p.UUID: uuid}
-        else:
-            kind = p.embeds_type(media.modality)
-            content[part_index] = {p.TYPE: kind, kind: meta, p.UUID: uuid}
-    fields[p.MESSAGES] = messages
+    fields[p.MESSAGES] = with_parts(
+        fields[p.MESSAGES],
+        lambda _: p.CONTENT,
+        (
+            (media.location, _engine_part(media, uuid, meta))
+            for media, uuid, meta in zip(request.media, uuids, metadata, strict=True)
+        ),
+    )
     return with_handles(fields, ec_transfer_params)
+
+
+def _engine_part(media: MediaPart, uuid: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    if meta is None:
+        return {**media.part, p.UUID: uuid}
+    kind = p.embeds_type(media.modality)
+    return {p.TYPE: kind, kind: meta, p.UUID: uuid}
 
 
 def rewritten_body(

@@ -21,13 +21,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epd_middleware import protocol as p
-from epd_middleware._rawjson import text_of
 
-from . import MediaPart, ParsedRequest, Unusable, parse_with, with_handles
+from . import MediaPart, ParsedRequest, Unusable, parse_with, with_handles, with_parts
 
 # An encoder sees the parts and options exactly as in a chat request: with a uuid, vLLM reads an
 # ``input_image`` part by its ``image_url`` key, as the engine will.
-from .openai_chat import encoder_body, encoder_part, media_of
+from .openai_chat import encoder_body, encoder_part, find_parts
 
 __all__ = ["SURFACE", "OpenAIResponses", "may_hold_media", "parse"]
 
@@ -72,22 +71,8 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
             raise Unusable
         key = _parts_key(item)
         parts = item.get(key) if key else None
-        if not isinstance(parts, list):
-            continue
-        for part_index, part in enumerate(parts):
-            if not isinstance(part, dict):
-                continue
-            found = media_of(part)
-            if found is None:
-                continue
-            modality, content = found
-            if content is None:
-                referenced.add(modality)
-                continue
-            client_uuid = text_of(part.get(p.UUID))
-            if client_uuid is not None and not isinstance(client_uuid, str):
-                raise Unusable
-            media.append(MediaPart((item_index, part_index), modality, part, content, client_uuid))
+        if isinstance(parts, list):
+            find_parts(item_index, parts, media, referenced)
     return ParsedRequest(fields, tuple(media), frozenset(referenced))
 
 
@@ -99,20 +84,21 @@ def engine_fields(
 ) -> dict[str, Any]:
     """The client's body with every media part's uuid pinned and the handles merged in."""
     fields = dict(request.fields)
-    items = list(fields[_INPUT])
-    copied: set[int] = set()
-    for media, uuid in zip(request.media, uuids, strict=True):
-        item_index, part_index = media.location
-        key = _parts_key(items[item_index])
-        assert key is not None  # the part was found there
-        if item_index not in copied:
-            item = dict(items[item_index])
-            item[key] = list(item[key])
-            items[item_index] = item
-            copied.add(item_index)
-        items[item_index][key][part_index] = {**media.part, p.UUID: uuid}
-    fields[_INPUT] = items
+    fields[_INPUT] = with_parts(
+        fields[_INPUT],
+        _found_parts_key,
+        (
+            (media.location, {**media.part, p.UUID: uuid})
+            for media, uuid in zip(request.media, uuids, strict=True)
+        ),
+    )
     return with_handles(fields, ec_transfer_params)
+
+
+def _found_parts_key(item: Mapping[str, Any]) -> str:
+    key = _parts_key(item)
+    assert key is not None  # a media part was found under it
+    return key
 
 
 def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
