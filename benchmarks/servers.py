@@ -3,11 +3,16 @@
     python -m benchmarks.servers engine PORT
     python -m benchmarks.servers engine+epd PORT ENCODER_URL[,ENCODER_URL...]
     python -m benchmarks.servers proxy PORT ENGINE_URL ENCODER_URL[,...]
+    python -m benchmarks.servers engine+relay PORT ENCODER_URL
 
 ``engine`` stands for vLLM's API server at its cheapest: it reads the body and answers a small JSON.
 ``engine+epd`` is the same app with EPDMiddleware inside it (the in-process architecture); ``proxy`` is a
 separate forwarding hop built with the same libraries (EPDMiddleware in front of a forwarder that sends
 the rewritten request to the engine over one more HTTP round trip), which is how proxies deploy today.
+``engine+relay`` is the least any design inside the engine process can do: it receives the body, relays
+it unchanged to the encoder (the load generator sends it the encoder's request), and runs the engine app
+on the same bytes once the encoder answered. No parsing, hashing or rewriting: what it costs over the
+direct floor is the price of the architecture, not of an implementation of it.
 All run under uvicorn with uvloop and httptools, as vLLM does.
 """
 
@@ -82,6 +87,38 @@ def forwarder(engine_url: str) -> Any:
     return app
 
 
+def relay(encoder_url: str) -> Any:
+    client = HTTPClient(connect_timeout=5)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await engine(scope, receive, send)
+            return
+        chunks = []
+        more = True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        status, _ = await client.request(
+            "POST", encoder_url + scope["path"], body, {"content-type": "application/json"}
+        )
+        assert status == 200, status
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return dict(await receive())
+
+        await engine(scope, replay, send)
+
+    return app
+
+
 def main() -> None:
     role, port = sys.argv[1], int(sys.argv[2])
     options = {"health_check_interval": 0, "max_body_bytes": 256 * 1024 * 1024, "max_media_items": 256}
@@ -89,6 +126,8 @@ def main() -> None:
         app: Any = engine
     elif role == "engine+epd":
         app = EPDMiddleware(engine, encoders=sys.argv[3].split(","), **options)
+    elif role == "engine+relay":
+        app = relay(sys.argv[3])
     elif role == "proxy":
         app = EPDMiddleware(forwarder(sys.argv[3]), encoders=sys.argv[4].split(","), **options)
     else:

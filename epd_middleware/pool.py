@@ -231,16 +231,23 @@ class ServerPool:
         role, health, timeout = self.role, self._health[server], self.timeout
         try:
             with anyio.fail_after(timeout):
-                async with self._limiter(server):
-                    health.in_flight += 1
-                    self.stats.in_flight(role, server, 1)
-                    try:
-                        status, content = await client.request(
-                            "POST", f"{server}{path}", attempt.body, {"content-type": _JSON, **headers}
-                        )
-                    finally:
-                        health.in_flight -= 1
-                        self.stats.in_flight(role, server, -1)
+                limiter = self._limiter(server)
+                try:
+                    # Free capacity is taken without the checkpoint ``acquire`` makes (a trip round the
+                    # event loop); a full server is waited for, in turn.
+                    limiter.acquire_nowait()
+                except anyio.WouldBlock:
+                    await limiter.acquire()
+                health.in_flight += 1
+                self.stats.in_flight(role, server, 1)
+                try:
+                    status, content = await client.request(
+                        "POST", f"{server}{path}", attempt.body, {"content-type": _JSON, **headers}
+                    )
+                finally:
+                    health.in_flight -= 1
+                    self.stats.in_flight(role, server, -1)
+                    limiter.release()
         except TimeoutError:
             raise UpstreamTimeout(server, f"no answer within {timeout:g} s", role=role) from None
         except HTTPError as exc:
