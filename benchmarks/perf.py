@@ -12,7 +12,11 @@ run, in interleaved rounds; ratios are medians of per-round ratios. Variants:
   already-rewritten body with the handles (precomputed, so the floor pays no JSON work);
 - epd: the request to the engine with EPDMiddleware inside it;
 - proxy: the request to a separate forwarding hop (its own process, EPDMiddleware in front of a
-  forwarder) that sends the rewritten body to the engine: one more HTTP round trip.
+  forwarder) that sends the rewritten body to the engine: one more HTTP round trip;
+- relay: the least any design inside the engine process can do. The engine process receives the
+  encoder's request, relays it unchanged to the encoder and runs the engine app once it answered: no
+  parsing, hashing or rewriting. relay over direct is the price of the architecture; epd over relay is
+  the price of this implementation of it.
 
 Also in-process (no sockets): the middleware's own cost on pass-through bodies, and memory per
 in-flight request.
@@ -107,7 +111,7 @@ async def prepare_direct(case: Case, encoder: str, client: HTTPClient) -> None:
     items, uuids = media_items(
         request.media, trust_client_uuid=False, salt=None, encoder_part=chat.encoder_part
     )
-    case.encoder_body = chat.encoder_body(request, [item.part for item in items])
+    case.encoder_body = b"".join(chat.encoder_body(request, [item.part for item in items]))
     status, reply = await client.request("POST", f"{encoder}/v1/chat/completions", case.encoder_body)
     assert status == 200, reply
     from epd_middleware.handles import match_reply
@@ -265,6 +269,16 @@ def summary(results: dict[str, list[Sample]], floor: str) -> dict[str, Any]:
             ),
             "p99_over_p50": round(statistics.median(s.p99 / s.p50 for s in samples), 2),
         }
+    if "relay" in results and floor != "relay":
+        relay = results["relay"]
+        for name in ("epd", "proxy"):
+            if name in results:
+                pairs = list(zip(results[name], relay, strict=True))
+                out[name]["p50_added_over_relay_ms"] = round(
+                    statistics.median(s.p50 - r.p50 for s, r in pairs), 3
+                )
+                ratios = (s.rps / r.rps for s, r in pairs)
+                out[name]["throughput_vs_relay"] = round(statistics.median(ratios), 3)
     return out
 
 
@@ -389,7 +403,8 @@ async def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         engine = rig.start("engine")
         epd = rig.start("engine+epd", encoder)
         proxy = rig.start("proxy", engine, encoder)
-        for url in (engine, epd, proxy):
+        relay = rig.start("engine+relay", encoder)
+        for url in (engine, epd, proxy, relay):
             await rig.wait(url)
         setup = HTTPClient(connect_timeout=5)
         cases = [
@@ -413,6 +428,8 @@ async def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             }
             if case.encoder_body is None:
                 out["bare"] = poster(engine, case.body)
+            else:
+                out["relay"] = poster(relay, case.encoder_body)
             return out
 
         results["pass_through_in_process"] = await in_process_pass_through(int(20000 * scale))
@@ -447,6 +464,7 @@ async def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                     "direct": direct(encoder, engine, case),
                     "epd": poster(epd, case.body),
                     "proxy": poster(proxy, case.body),
+                    "relay": poster(relay, case.encoder_body),
                 },
                 requests=n,
                 concurrency=1,
@@ -463,6 +481,7 @@ async def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                     "direct": direct(encoder, engine, case),
                     "epd": poster(epd, case.body),
                     "proxy": poster(proxy, case.body),
+                    "relay": poster(relay, case.encoder_body),
                 },
                 requests=max(30, int(800 * scale / max(1, count // 4))),
                 concurrency=1,
@@ -494,12 +513,12 @@ def plot(results: dict[str, Any], out_dir: Path) -> None:
         (axes[1], "scale_items", "images per request (10 KB each)"),
     ):
         labels = list(results[key])
-        for variant, style in (("epd", "o-"), ("proxy", "s--")):
+        for variant, style in (("epd", "o-"), ("proxy", "s--"), ("relay", "^:")):
             ax.plot(
                 labels,
                 [results[key][label][variant]["p50_added_ms"] for label in labels],
                 style,
-                label=variant,
+                label=variant if variant != "relay" else "relay (least any in-engine design adds)",
             )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("p50 latency added over the direct floor (ms)")

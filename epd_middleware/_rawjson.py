@@ -16,11 +16,12 @@ travels verbatim and the server that receives it rejects it, as it would the ori
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-__all__ = ["LONG_STRING", "Raw", "decode", "raw_text", "text_of"]
+__all__ = ["LONG_STRING", "Raw", "decode", "encode_pieces", "raw_text", "text_of"]
 
 Raw = msgspec.Raw
 
@@ -28,6 +29,9 @@ Raw = msgspec.Raw
 LONG_STRING = 2048
 # Below this body size there is no long string worth the scan.
 _MIN_BODY = 16 * 1024
+# Raw strings adding up to less than this are copied into the encoded body: a piece of their own would
+# cost a socket write each.
+_MIN_SPLICED = 64 * 1024
 
 _decode = msgspec.json.Decoder().decode
 _decode_str = msgspec.json.Decoder(str).decode
@@ -126,6 +130,54 @@ def _restore(value: Any, raws: dict[str, msgspec.Raw], keys: bool) -> Any:
                         node[index] = raws.get(item, item)
                 elif isinstance(item, (dict, list)):
                     stack.append(item)
+    return value
+
+
+def encode_pieces(value: Any, encode: Callable[[Any], bytes]) -> list[bytes | memoryview]:
+    """``encode(value)`` as pieces to send one after the other: the raw strings it holds are not copied
+    into one new buffer but referenced where they arrived (views of the received body).
+
+    Encoding a 1.6 MB body of 8 images copies 1.6 MB into a fresh allocation, which glibc serves from
+    new pages (the freed buffers of the previous request went back to the system): 1.1 ms a request on
+    the perf rig, against the 0.2 ms the copy takes on warm memory.
+    """
+    raws: list[msgspec.Raw] = []
+    try:
+        swapped = _swap_raws(value, raws)
+    except RecursionError:
+        return [encode(value)]
+    if sum(len(memoryview(raw)) for raw in raws) < _MIN_SPLICED:
+        return [encode(value)]
+    encoded = encode(swapped)
+    pieces: list[bytes | memoryview] = []
+    position = 0
+    for index, raw in enumerate(raws):
+        # Placeholders come out in the order they were put in: both walks follow insertion order.
+        token = b'%s%d"' % (_MARK_JSON, index)
+        found = encoded.find(token, position)
+        if found < 0:  # cannot happen; a plain encoding is still right
+            return [encode(value)]
+        pieces.append(encoded[position:found])
+        pieces.append(memoryview(raw))
+        position = found + len(token)
+    pieces.append(encoded[position:])
+    return pieces
+
+
+def _swap_raws(value: Any, raws: list[msgspec.Raw]) -> Any:
+    """``value`` with each raw string replaced by a placeholder, in encoding order; containers that hold
+    none are shared, not copied."""
+    if isinstance(value, msgspec.Raw):
+        raws.append(value)
+        return f"{_MARK}{len(raws) - 1}"
+    if isinstance(value, dict):
+        count = len(raws)
+        swapped = {key: _swap_raws(item, raws) for key, item in value.items()}
+        return swapped if len(raws) > count else value
+    if isinstance(value, (list, tuple)):
+        count = len(raws)
+        items = [_swap_raws(item, raws) for item in value]
+        return items if len(raws) > count else value
     return value
 
 

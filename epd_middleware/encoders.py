@@ -21,7 +21,7 @@ from .handles import Handle, ItemKey, match_reply
 from .plan import EncoderCall
 from .pool import Attempt, ServerPool
 from .protocol import CHAT_COMPLETIONS_PATH, EC_TRANSFER_PARAMS, EXAMPLE_CONNECTOR_FILE
-from .transport import Transport
+from .transport import Body, Transport
 
 __all__ = ["EncodeOutcome", "EncoderRequest", "encode"]
 
@@ -31,7 +31,7 @@ class EncoderRequest:
     """One try of an encoder call: its body, and the Mooncake transfer id of each item it carries
     (None without push)."""
 
-    body: bytes
+    body: Body
     transfer_ids: tuple[str, ...] | None = None
 
 

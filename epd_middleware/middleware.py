@@ -7,8 +7,9 @@ into responses. It knows nothing of message formats: the request path lives in
 from __future__ import annotations
 
 import hmac
+import itertools
 import os
-import uuid
+import secrets
 from collections.abc import Sequence
 
 import anyio
@@ -386,7 +387,7 @@ class _Exchange:
         for name, value in self.scope["headers"]:
             if name == REQUEST_ID_HEADER:
                 return value.decode("latin-1"), False
-        return uuid.uuid4().hex, True
+        return _new_request_id(), True
 
     def _authorization(self) -> str | None:
         for name, value in self.scope["headers"]:
@@ -476,6 +477,27 @@ class _EngineFailureGuard:
             self.withheld = True
             return
         await self._send(message)
+
+
+class _RequestIds:
+    """Unique request ids without a random draw each: a random prefix per process and a counter.
+
+    ``uuid4`` reads the kernel's random source on every call (about 8 us a request on the perf rig). The
+    prefix is drawn again in a forked child, so processes never share one.
+    """
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._prefix = ""
+        self._counter = itertools.count()
+
+    def __call__(self) -> str:
+        if self._pid != os.getpid():
+            self._pid, self._prefix = os.getpid(), secrets.token_hex(8)
+        return f"{self._prefix}{next(self._counter):08x}"
+
+
+_new_request_id = _RequestIds()
 
 
 def _route_path(scope: Scope) -> str:

@@ -28,7 +28,7 @@ from .errors import (
 )
 from .logs import logger
 from .metrics import Stats
-from .transport import HTTPError, Transport
+from .transport import Body, HTTPError, Transport
 
 __all__ = ["Attempt", "ServerPool"]
 
@@ -55,7 +55,7 @@ class Attempt(Generic[T]):
     one (Mooncake transfer ids, say). ``read`` raises :class:`UpstreamBadReply` for an unusable answer.
     """
 
-    body: bytes
+    body: Body
     read: Callable[[str, dict[str, Any]], T]
 
 

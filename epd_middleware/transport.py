@@ -11,9 +11,17 @@ from typing import Protocol
 
 import httpx
 
-from ._http import ConnectFailed, ConnectionLost, HTTPClient, HTTPError
+from ._http import Body, ConnectFailed, ConnectionLost, HTTPClient, HTTPError
 
-__all__ = ["ConnectFailed", "ConnectionLost", "HTTPClient", "HTTPError", "HttpxTransport", "Transport"]
+__all__ = [
+    "Body",
+    "ConnectFailed",
+    "ConnectionLost",
+    "HTTPClient",
+    "HTTPError",
+    "HttpxTransport",
+    "Transport",
+]
 
 
 class Transport(Protocol):
@@ -23,7 +31,7 @@ class Transport(Protocol):
     def is_closed(self) -> bool: ...
 
     async def request(
-        self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+        self, method: str, url: str, body: Body = b"", headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]: ...
 
     async def aclose(self) -> None: ...
@@ -40,10 +48,11 @@ class HttpxTransport:
         return self.client.is_closed
 
     async def request(
-        self, method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None
+        self, method: str, url: str, body: Body = b"", headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
+        content = body if isinstance(body, bytes) else b"".join(body)
         try:
-            response = await self.client.request(method, url, content=body or None, headers=headers)
+            response = await self.client.request(method, url, content=content or None, headers=headers)
         except httpx.TimeoutException:
             raise TimeoutError from None
         except httpx.ConnectError:

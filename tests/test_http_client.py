@@ -18,9 +18,11 @@ Reply = Callable[[int, bytes], bytes | None]  # (request number, request head) -
 
 
 @asynccontextmanager
-async def scripted_server(reply: Reply) -> AsyncIterator[tuple[str, list[bytes], list[int]]]:
+async def scripted_server(
+    reply: Reply, bodies: list[bytes] | None = None
+) -> AsyncIterator[tuple[str, list[bytes], list[int]]]:
     """A loopback server answering each request with ``reply``; yields (base URL, request heads, connection
-    numbers of each request)."""
+    numbers of each request). Request bodies go into ``bodies`` when given."""
     heads: list[bytes] = []
     connections: list[int] = []
     opened = 0
@@ -42,8 +44,9 @@ async def scripted_server(reply: Reply) -> AsyncIterator[tuple[str, list[bytes],
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
-                if length:
-                    await reader.receive_exactly(length)
+                body = await reader.receive_exactly(length) if length else b""
+                if bodies is not None:
+                    bodies.append(body)
                 heads.append(head)
                 connections.append(number)
                 answer = reply(len(heads), head)
@@ -77,6 +80,23 @@ async def test_keep_alive_reuses_one_connection() -> None:
     assert b"content-length: 2" in heads[0]
     assert b"x-a: 1" in heads[0]
     assert b"host: 127.0.0.1:" in heads[0]
+
+
+@pytest.mark.parametrize("sizes", [(10, 200_000, 7, 300_000, 3), (70_000,), (5, 6), ()])
+async def test_a_body_in_pieces_arrives_whole(sizes: tuple[int, ...]) -> None:
+    pieces: list[bytes | memoryview] = [
+        memoryview(bytes([65 + n]) * size) if n % 2 else bytes([65 + n]) * size
+        for n, size in enumerate(sizes)
+    ]
+    bodies: list[bytes] = []
+    async with scripted_server(lambda n, head: ok(), bodies) as (url, heads, _):
+        client = HTTPClient(connect_timeout=1)
+        for _ in range(2):  # and again on the kept-alive connection
+            assert (await client.request("POST", f"{url}/x", pieces))[0] == 200
+        await client.aclose()
+    whole = b"".join(pieces)
+    assert bodies == [whole, whole]
+    assert b"content-length: %d" % len(whole) in heads[0].split(b"\r\n")
 
 
 async def test_chunked_and_close_delimited_answers() -> None:

@@ -661,3 +661,16 @@ async def test_nixl_and_cpu_connector_handles_reach_the_engine_whole_under_the_r
     for part in media_parts(received):
         assert part["uuid"] not in received["ec_transfer_params"]  # keyed by the derived hash
         assert derived_hash(MODEL, part["uuid"], "image", received) in received["ec_transfer_params"]
+
+
+def test_generated_request_ids_are_unique_and_drawn_anew_in_a_forked_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from epd_middleware import middleware as module
+
+    ids = {module._new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    parent = module._new_request_id()
+    monkeypatch.setattr(module.os, "getpid", lambda: -7)  # what a forked child sees: another pid
+    child = module._new_request_id()
+    assert child[:16] != parent[:16]

@@ -90,3 +90,39 @@ def test_a_long_key_comes_back_as_text_whatever_the_whitespace_before_its_colon(
     key = "k" * (LONG + 5)
     body = ('{"pad": "' + "p" * _rawjson._MIN_BODY + '", "' + key + '"' + " " * 200 + ": 1}").encode()
     assert as_text(_rawjson.decode(body)) == msgspec.json.decode(body)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=values)
+def test_pieces_join_to_the_plain_encoding(value: Any) -> None:
+    body = json.dumps({"pad": "p" * _rawjson._MIN_BODY, "v": value, "w": [value, {"x": value}]}).encode()
+    decoded = _rawjson.decode(body)
+    threshold, _rawjson._MIN_SPLICED = _rawjson._MIN_SPLICED, 0  # splice every raw string, however short
+    try:
+        pieces = _rawjson.encode_pieces(decoded, msgspec.json.encode)
+    finally:
+        _rawjson._MIN_SPLICED = threshold
+    assert b"".join(pieces) == msgspec.json.encode(decoded)
+
+
+def test_large_raw_strings_are_sent_from_the_body_they_arrived_in() -> None:
+    images = ["data:image/png;base64," + "QUJD" * 10000 + str(i) for i in range(3)]
+    body = json.dumps({"m": [{"url": url} for url in images], "t": "short"}).encode()
+    decoded = _rawjson.decode(body)
+    outgoing = {"model": "m", "parts": decoded["m"][::-1], "n": 1}
+    pieces = _rawjson.encode_pieces(outgoing, msgspec.json.encode)
+    assert b"".join(pieces) == msgspec.json.encode(outgoing)
+    views = [piece for piece in pieces if isinstance(piece, memoryview)]
+    assert [bytes(view)[1:-1].decode() for view in views] == images[::-1]
+    start = body.index(images[2].encode()) - 1
+    assert bytes(views[0]) == body[start : start + views[0].nbytes]
+    assert outgoing["parts"][0]["url"] is decoded["m"][2]["url"]  # the value itself is left as it was
+
+
+def test_small_raw_strings_are_encoded_in_one_piece() -> None:
+    body = json.dumps({"pad": "p" * _rawjson._MIN_BODY, "u": "x" * (LONG + 1)}).encode()
+    decoded = _rawjson.decode(body)
+    assert isinstance(decoded["u"], msgspec.Raw)
+    assert _rawjson.encode_pieces({"u": decoded["u"]}, msgspec.json.encode) == [
+        msgspec.json.encode({"u": decoded["u"]})
+    ]

@@ -15,9 +15,11 @@ import msgspec
 
 from epd_middleware import _rawjson
 from epd_middleware import protocol as p
+from epd_middleware._http import Body
 from epd_middleware._rawjson import Raw, text_of
 
 __all__ = [
+    "Body",
     "MediaPart",
     "ParsedRequest",
     "Raw",
@@ -122,7 +124,7 @@ class Surface(Protocol):
         request: ParsedRequest,
         parts: Sequence[Mapping[str, Any]],
         ec_transfer_params: Mapping[str, Any] | None = None,
-    ) -> bytes:
+    ) -> Body:
         """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
         ...
 
@@ -184,8 +186,9 @@ def encoder_request(
     parts: Sequence[Mapping[str, Any]],
     options: Mapping[str, Any],
     ec_transfer_params: Mapping[str, Any] | None,
-) -> bytes:
-    """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
+) -> Body:
+    """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``; the media
+    strings are sent from the client's body as they are, not copied (:func:`_rawjson.encode_pieces`)."""
     body: dict[str, Any] = {
         p.MODEL: model,
         p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
@@ -196,7 +199,7 @@ def encoder_request(
     }
     if ec_transfer_params:
         body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
-    return encode_fields(body)
+    return _rawjson.encode_pieces(body, encode_fields)
 
 
 def with_parts(

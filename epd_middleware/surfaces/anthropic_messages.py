@@ -25,6 +25,7 @@ from epd_middleware import protocol as p
 from epd_middleware._rawjson import raw_text, text_of
 
 from . import (
+    Body,
     MediaPart,
     ParsedRequest,
     Raw,
@@ -119,7 +120,7 @@ def encoder_body(
     request: ParsedRequest,
     parts: Sequence[Mapping[str, Any]],
     ec_transfer_params: Mapping[str, Any] | None = None,
-) -> bytes:
+) -> Body:
     """The encoder request for ``parts``, with no per-request options (Messages has none)."""
     return encoder_request(request.fields.get(p.MODEL), parts, {}, ec_transfer_params)
 

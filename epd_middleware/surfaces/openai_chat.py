@@ -13,6 +13,7 @@ from epd_middleware import protocol as p
 from epd_middleware._rawjson import text_of
 
 from . import (
+    Body,
     MediaPart,
     ParsedRequest,
     Raw,
@@ -157,7 +158,7 @@ def encoder_body(
     request: ParsedRequest,
     parts: Sequence[Mapping[str, Any]],
     ec_transfer_params: Mapping[str, Any] | None = None,
-) -> bytes:
+) -> Body:
     """The encoder request for ``parts``, with the per-request options the local engine will apply."""
     return encoder_request(request.fields.get(p.MODEL), parts, forwarded_options(request), ec_transfer_params)
 
