@@ -4,8 +4,9 @@
 
 Runs the fake encoder, the bare engine and the engine with EPDMiddleware as in ``benchmarks.perf``, sends
 the same 1-image and 8-image requests the direct way (load generator -> encoder, then the rewritten
-request -> engine) and through the middleware, and reads each process's user + system CPU time from
-/proc before and after. On a machine whose cores are all busy, throughput is bounded by the total.
+request -> engine), through the middleware, and through the relay (the least an in-engine design can
+do), and reads each process's user + system CPU time from /proc before and after. On a machine whose
+cores are all busy, throughput is bounded by the total.
 """
 
 from __future__ import annotations
@@ -39,16 +40,27 @@ async def main() -> None:
     try:
         encoder, engine = rig.start("encoder"), rig.start("engine")
         epd = rig.start("engine+epd", encoder)
-        for url in (engine, epd):
+        relay = rig.start("engine+relay", encoder)
+        for url in (engine, epd, relay):
             await rig.wait(url)
-        pids = {"encoder": rig.procs[0].pid, "engine": rig.procs[1].pid, "engine+epd": rig.procs[2].pid}
+        pids = {
+            "encoder": rig.procs[0].pid,
+            "engine": rig.procs[1].pid,
+            "engine+epd": rig.procs[2].pid,
+            "engine+relay": rig.procs[3].pid,
+        }
         client = HTTPClient(connect_timeout=5)
         print(f"{'body':9} {'path':7} {'req/s':>6}  CPU ms per request by process")
         for images in (1, 8):
             case = Case(f"{images} image", chat_request([noise_png(150_000, 10 + i) for i in range(images)]))
             await prepare_direct(case, encoder, client)
             requests = 1200 if images == 1 else 300
-            for name, send in (("direct", direct(encoder, engine, case)), ("epd", poster(epd, case.body))):
+            assert case.encoder_body is not None
+            for name, send in (
+                ("direct", direct(encoder, engine, case)),
+                ("epd", poster(epd, case.body)),
+                ("relay", poster(relay, case.encoder_body)),
+            ):
                 before = {key: _cpu_of(pid) for key, pid in pids.items()}
                 own, started = _own_cpu(), time.perf_counter()
                 await load(send, requests, 16)

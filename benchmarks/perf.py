@@ -479,8 +479,18 @@ async def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                 print(f"{key:40} {json.dumps(results[key])}", flush=True)
 
         for case in cases[:3]:
+            # Beside the epd, the same concurrency on the bare engine (text) or the relay (media): the
+            # tail of the rig itself (two cores under the load generator and every server).
+            other = (
+                {"bare": poster(engine, case.body)}
+                if case.encoder_body is None
+                else {"relay": poster(relay, case.encoder_body)}
+            )
             measured = await compare(
-                {"epd": poster(epd, case.body)}, requests=int(2000 * scale), concurrency=64, rounds=rounds
+                {"epd": poster(epd, case.body), **other},
+                requests=int(2000 * scale),
+                concurrency=64,
+                rounds=rounds,
             )
             results[f"c64 {case.name}"] = summary(measured, "epd")
             print(f"c=64  {case.name:32} {json.dumps(results[f'c64 {case.name}'])}", flush=True)

@@ -311,7 +311,7 @@ class _Exchange:
             return
         failure: Exception | None = None
         async with anyio.create_task_group() as group:
-            client = _Client(self.receive, group.cancel_scope)
+            client = _ClientWatch(self.receive, group.cancel_scope)
             group.start_soon(client.watch)
             try:
                 await self._encode_and_run(request, body, client)
@@ -321,7 +321,7 @@ class _Exchange:
         if failure is not None:
             raise failure
 
-    async def _encode_and_run(self, request: ParsedRequest, body: bytes, client: _Client) -> None:
+    async def _encode_and_run(self, request: ParsedRequest, body: bytes, client: _ClientWatch) -> None:
         middleware = self.middleware
         request_id, generated = self._request_id()
         push_to, pin_rank = middleware._server.push_target(self.scope) if request.media else (None, None)
@@ -410,7 +410,7 @@ class _Exchange:
         await _send_error(self.send, error)
 
 
-class _Client:
+class _ClientWatch:
     """The one reader of the server's ``receive`` once the body is in, for the whole exchange: the client
     leaving cancels the encoder and prefill calls while they run, and reaches the engine app after.
 
