@@ -401,7 +401,7 @@ async def in_process_memory(encoder: str, image_bytes: int, in_flight: int) -> d
 
 async def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     scale = 0.25 if quick else 1.0
-    rounds = 3 if quick else 5
+    rounds = 3 if quick else 7
     rig = Rig()
     results: dict[str, Any] = {}
     try:
