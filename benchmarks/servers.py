@@ -18,6 +18,7 @@ All run under uvicorn with uvloop and httptools, as vLLM does.
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -36,6 +37,10 @@ async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         if scope["type"] == "lifespan":
             while (message := await receive())["type"] != "lifespan.shutdown":
+                # As vLLM's API server does at the end of start-up (freeze_gc_heap): the start-up heap is
+                # left out of the collector's full collections, which would otherwise pause the server.
+                gc.collect()
+                gc.freeze()
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
         return
