@@ -61,6 +61,16 @@ async def engine(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": ANSWER})
 
 
+async def read_body(receive: Any) -> bytes:
+    chunks = []
+    more = True
+    while more:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
 def forwarder(engine_url: str) -> Any:
     client = HTTPClient(connect_timeout=5)
 
@@ -68,14 +78,8 @@ def forwarder(engine_url: str) -> Any:
         if scope["type"] != "http":
             await engine(scope, receive, send)
             return
-        chunks = []
-        more = True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
         status, body = await client.request(
-            "POST", engine_url + scope["path"], b"".join(chunks), {"content-type": "application/json"}
+            "POST", engine_url + scope["path"], await read_body(receive), {"content-type": "application/json"}
         )
         await send(
             {
@@ -99,13 +103,7 @@ def relay(encoder_url: str) -> Any:
         if scope["type"] != "http":
             await engine(scope, receive, send)
             return
-        chunks = []
-        more = True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await read_body(receive)
         status, _ = await client.request(
             "POST", encoder_url + scope["path"], body, {"content-type": "application/json"}
         )
