@@ -25,6 +25,7 @@ __all__ = [
     "Raw",
     "Surface",
     "Unusable",
+    "check_ec_params",
     "checked_messages",
     "decode_object",
     "encode_fields",
@@ -171,14 +172,20 @@ def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest]) -> 
 
 def checked_messages(fields: Mapping[str, Any]) -> list[Any]:
     """The body's ``messages`` list; :class:`Unusable` when it, or ``ec_transfer_params``, is not of the
-    type vLLM takes (the handles are merged into the client's ``ec_transfer_params``)."""
+    type vLLM takes."""
     messages = fields.get(p.MESSAGES)
     if not isinstance(messages, list):
         raise Unusable
+    check_ec_params(fields)
+    return messages
+
+
+def check_ec_params(fields: Mapping[str, Any]) -> None:
+    """:class:`Unusable` when the client's ``ec_transfer_params`` is not an object: the handles are
+    merged into it."""
     ec_params = fields.get(p.EC_TRANSFER_PARAMS)
     if ec_params is not None and not isinstance(ec_params, dict):
         raise Unusable
-    return messages
 
 
 def encoder_request(

@@ -22,7 +22,15 @@ from typing import Any
 
 from epd_middleware import protocol as p
 
-from . import MediaPart, ParsedRequest, Unusable, parse_with, with_handles, with_parts
+from . import (
+    MediaPart,
+    ParsedRequest,
+    Unusable,
+    check_ec_params,
+    parse_with,
+    with_handles,
+    with_parts,
+)
 
 # An encoder sees the parts and options exactly as in a chat request: with a uuid, vLLM reads an
 # ``input_image`` part by its ``image_url`` key, as the engine will.
@@ -59,9 +67,7 @@ def _parts_key(item: Mapping[str, Any]) -> str | None:
 
 def _find_media(fields: dict[str, Any]) -> ParsedRequest:
     items = fields.get(_INPUT)
-    ec_params = fields.get(p.EC_TRANSFER_PARAMS)
-    if ec_params is not None and not isinstance(ec_params, dict):
-        raise Unusable
+    check_ec_params(fields)
     if not isinstance(items, list):
         return ParsedRequest(fields, ())  # a plain text input
     media: list[MediaPart] = []
