@@ -18,7 +18,7 @@ import anyio
 from .errors import NoHealthyUpstream, UpstreamBadReply
 from .pool import Attempt, ServerPool
 from .protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
-from .surfaces import Surface, encode_fields
+from .surfaces import Surface, outgoing_body
 from .transport import Transport
 
 __all__ = ["decode_fields", "prefill", "prefill_fields"]
@@ -58,7 +58,8 @@ async def prefill(
     server = pool.pick(anyio.current_time())
     if server is None:
         raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
-    body = encode_fields(prefill_fields(fields, surface))
+    # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
+    body = outgoing_body(prefill_fields(fields, surface))
     return await pool.call(client, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers)
 
 

@@ -596,6 +596,7 @@ async def test_large_media_bodies_equal_those_of_a_plain_decode(
 
     decoded = _rawjson.decode(json.dumps(body).encode())
     assert isinstance(decoded[key][0]["content"][-1]["text"], _rawjson.Raw)  # the raw path is taken
+    monkeypatch.setattr(_rawjson, "_MIN_SPLICED", 0)  # every outgoing body in pieces, however small
     raw_path = await run()
     monkeypatch.setattr(_rawjson, "_MIN_BODY", 1 << 40)  # never take the raw path
     plain_path = await run()

@@ -31,6 +31,7 @@ __all__ = [
     "encode_fields",
     "encoder_request",
     "no_prefill_blocker",
+    "outgoing_body",
     "parse_with",
     "with_handles",
     "with_parts",
@@ -194,8 +195,7 @@ def encoder_request(
     options: Mapping[str, Any],
     ec_transfer_params: Mapping[str, Any] | None,
 ) -> Body:
-    """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``; the media
-    strings are sent from the client's body as they are, not copied (:func:`_rawjson.encode_pieces`)."""
+    """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
     body: dict[str, Any] = {
         p.MODEL: model,
         p.MESSAGES: [{"role": "user", p.CONTENT: list(parts)}],
@@ -206,7 +206,14 @@ def encoder_request(
     }
     if ec_transfer_params:
         body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
-    return _rawjson.encode_pieces(body, encode_fields)
+    return outgoing_body(body)
+
+
+def outgoing_body(fields: Any) -> Body:
+    """A body to send to another server: the media strings it holds go from the client's body as they
+    are, not copied into a new buffer (:func:`_rawjson.encode_pieces`). :class:`Unusable` as
+    :func:`encode_fields`."""
+    return _rawjson.encode_pieces(fields, encode_fields)
 
 
 def with_parts(
