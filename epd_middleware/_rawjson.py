@@ -146,7 +146,7 @@ def encode_pieces(value: Any, encode: Callable[[Any], bytes]) -> list[bytes | me
         swapped = _swap_raws(value, raws)
     except RecursionError:
         return [encode(value)]
-    if sum(len(memoryview(raw)) for raw in raws) < _MIN_SPLICED:
+    if sum(map(len, raws)) < _MIN_SPLICED:
         return [encode(value)]
     encoded = encode(swapped)
     pieces: list[bytes | memoryview] = []
