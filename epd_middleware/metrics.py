@@ -69,6 +69,11 @@ class _PoolMetrics:
             f"{role.capitalize()} calls retried on another server, by the {role} that failed.",
             [role],
         )
+        self.foreign_answers = prom.Counter(
+            f"epd_{role}_foreign_answers",
+            f"Answers of a {role} that belonged to another request (refused; the call failed over).",
+            [role],
+        )
         self.healthy = prom.Gauge(
             f"epd_{role}_healthy",
             f"1 when the {role} server takes traffic, 0 while ejected.",
@@ -153,6 +158,11 @@ class Stats:
         self.counters[f"{role}_failovers"] += 1
         if self._prom is not None:
             self._child(self._prom.pools[role].failovers, server).inc()
+
+    def foreign_answer(self, role: str, server: str) -> None:
+        self.counters[f"{role}_foreign_answers"] += 1
+        if self._prom is not None:
+            self._child(self._prom.pools[role].foreign_answers, server).inc()
 
     def health(self, role: str, server: str, healthy: bool) -> None:
         if self._prom is not None:

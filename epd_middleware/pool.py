@@ -28,6 +28,7 @@ from .errors import (
 )
 from .logs import logger
 from .metrics import Stats
+from .protocol import REQUEST_ID_HEADER, foreign_answer_id
 from .transport import Body, HTTPError, Transport
 
 __all__ = ["Attempt", "ServerPool"]
@@ -36,6 +37,7 @@ T = TypeVar("T")
 
 _decode_reply = msgspec.json.Decoder().decode
 _JSON = "application/json"
+_REQUEST_ID = REQUEST_ID_HEADER.decode()
 _MAX_DETAIL = 300
 
 
@@ -273,6 +275,14 @@ class ServerPool:
             raise UpstreamBadReply(server, "the answer is not JSON", role=role) from None
         if not isinstance(reply, dict):
             raise UpstreamBadReply(server, "the answer is not a JSON object", role=role)
+        request_id = headers.get(_REQUEST_ID)
+        if request_id is not None and (other := foreign_answer_id(path, request_id, reply)) is not None:
+            # Another request's answer (a server or a proxy before it mixed up its connections): its
+            # handles must never reach this request's engine, and no idle connection there is trusted.
+            await client.drop_idle(server)
+            self.stats.foreign_answer(role, server)
+            logger.warning("%s %s answered request %s with the answer of %s", role, server, request_id, other)
+            raise UpstreamBadReply(server, f"the answer belongs to another request ({other})", role=role)
         return attempt.read(server, reply)
 
 

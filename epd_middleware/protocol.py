@@ -110,6 +110,25 @@ DATA_PARALLEL_RANK_HEADER: Final = b"x-data-parallel-rank"
 # vLLM takes the request id from this header (``_base_request_id``); E and PD logs join on it.
 REQUEST_ID_HEADER: Final = b"x-request-id"
 
+# vLLM answers a chat completion with "id": "chatcmpl-<x-request-id>" (``entrypoints/openai/
+# chat_completion/serving.py``), and an Anthropic Messages request, which it serves as a chat completion,
+# with the same id (``entrypoints/anthropic/serving.py`` ``messages_full_converter``). A Responses answer
+# carries the body's ``request_id`` ("resp_<random>" by default), not the header: it cannot be bound.
+_ANSWER_ID_PREFIXES: Final[dict[str, str]] = {CHAT_COMPLETIONS_PATH: "chatcmpl-", MESSAGES_PATH: "chatcmpl-"}
+
+
+def foreign_answer_id(path: str, request_id: str, reply: dict[str, Any]) -> str | None:
+    """The ``id`` of an answer that vLLM gave to another request than ``request_id``, else None.
+
+    An answer without an id of vLLM's form (another server) is not judged by it.
+    """
+    prefix = _ANSWER_ID_PREFIXES.get(path)
+    answer_id = reply.get("id")
+    if prefix is None or not isinstance(answer_id, str) or not answer_id.startswith(prefix):
+        return None
+    return None if answer_id[len(prefix) :] == request_id else answer_id
+
+
 # ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>.
 EXAMPLE_CONNECTOR_FILE: Final = "encoder_cache.safetensors"
 

@@ -34,6 +34,10 @@ class Transport(Protocol):
         self, method: str, url: str, body: Body = b"", headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]: ...
 
+    async def drop_idle(self, url: str) -> None:
+        """Close the idle connections to ``url``'s origin (after an answer that was not this call's)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -62,6 +66,9 @@ class HttpxTransport:
         except httpx.TransportError as exc:
             raise HTTPError(type(exc).__name__) from None
         return response.status_code, response.content
+
+    async def drop_idle(self, url: str) -> None:
+        """httpx keeps its pool to itself: the call still fails over, but its connections stay httpx's."""
 
     async def aclose(self) -> None:
         """The user's client is the user's to close."""

@@ -139,14 +139,14 @@ class FakeEncoders:
         if mode == "not_object":
             return httpx.Response(200, json=[1, 2, 3])
         self.completed.append(encoder)
-        reply = self.reply(body, mode)
+        reply = self.reply(body, mode, request.headers.get("x-request-id"))
         if self.storage is not None and encoder not in self.skip_store:
             for mm_hash in reply["ec_transfer_params"]:
                 (self.storage / mm_hash).mkdir(parents=True, exist_ok=True)
                 (self.storage / mm_hash / "encoder_cache.safetensors").write_bytes(b"x")
         return httpx.Response(200, json=reply)
 
-    def reply(self, body: dict[str, Any], mode: str) -> dict[str, Any]:
+    def reply(self, body: dict[str, Any], mode: str, request_id: str | None = None) -> dict[str, Any]:
         parts = body["messages"][0]["content"]
         entries: dict[str, Any] = {}
         for index, part in enumerate(parts):
@@ -167,7 +167,8 @@ class FakeEncoders:
         elif mode == "unmatched":
             entries = {f"nope-{i}": {"metadata": {"x": 1}} for i in range(len(parts) + 1)}
         return {
-            "id": "chatcmpl-enc",
+            # vLLM's answer id: "chatcmpl-" and the x-request-id header, else a random one
+            "id": f"chatcmpl-{request_id or 'random-id'}",
             "object": "chat.completion",
             "model": body["model"],
             "choices": [
@@ -313,7 +314,10 @@ class FakePrefill:
             return httpx.Response(500, json={"error": {"message": "KV cache full", "code": 500}})
         if mode == "400":
             return httpx.Response(400, json={"error": {"message": "prompt too long", "code": 400}})
-        reply: dict[str, Any] = {"id": "chatcmpl-p", "choices": [{"index": 0, "finish_reason": "length"}]}
+        reply: dict[str, Any] = {
+            "id": f"chatcmpl-{request.headers.get('x-request-id', 'random-id')}",
+            "choices": [{"index": 0, "finish_reason": "length"}],
+        }
         if mode == "ok":
             reply["kv_transfer_params"] = self.params(server, request.headers.get("x-request-id", ""))
         elif mode == "bad_params":

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
 import pytest
+import trustme
 from anyio.streams.buffered import BufferedByteReceiveStream
+from anyio.streams.tls import TLSListener
 
 from epd_middleware._http import ConnectFailed, ConnectionLost, HTTPClient, ProtocolViolation
 
@@ -208,3 +212,175 @@ async def test_a_cancelled_request_never_returns_its_connection_to_the_pool() ->
         assert (await client.request("POST", url + "/a", b"{}"))[0] == 200
         await client.aclose()
     assert connections == [1, 2]
+
+
+@asynccontextmanager
+async def tls_server(reply: Reply, ca: trustme.CA) -> AsyncIterator[tuple[str, list[int]]]:
+    """A TLS loopback server answering each request with ``reply``; yields (base URL, connection numbers
+    of each request)."""
+    connections: list[int] = []
+    opened = 0
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    listener = TLSListener(await anyio.create_tcp_listener(local_host="127.0.0.1"), context)
+    port = listener.listener.extra(anyio.abc.SocketAttribute.local_port)
+
+    async def serve(stream: anyio.abc.ByteStream) -> None:
+        nonlocal opened
+        opened += 1
+        number = opened
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            while True:
+                try:
+                    head = await reader.receive_until(b"\r\n\r\n", 65536)
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    if length:
+                        await reader.receive_exactly(length)
+                    connections.append(number)
+                    answer = reply(len(connections), head)
+                    if answer is None:
+                        return
+                    await stream.send(answer)
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ssl.SSLError):
+                    return
+        finally:
+            # The client drops connections without TLS's goodbye; the server's own goodbye may then fail.
+            with contextlib.suppress(ssl.SSLError, anyio.BrokenResourceError, OSError):
+                await stream.aclose()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        try:
+            yield f"https://127.0.0.1:{port}", connections
+        finally:
+            group.cancel_scope.cancel()
+
+
+async def test_https_with_keep_alive() -> None:
+    ca = trustme.CA()
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    big = b"x" * 300_000
+    async with tls_server(lambda n, head: ok(b"%d" % n), ca) as (url, connections):
+        client = HTTPClient(connect_timeout=2, ssl_context=client_context)
+        for n in range(1, 4):
+            assert await client.request("POST", f"{url}/v1/chat/completions", [b"{", big, b"}"]) == (
+                200,
+                b"%d" % n,
+            )
+        await client.aclose()
+    assert connections == [1, 1, 1]
+
+
+async def test_https_refuses_a_certificate_it_does_not_trust() -> None:
+    async with tls_server(lambda n, head: ok(), trustme.CA()) as (url, _):
+        client = HTTPClient(connect_timeout=2)  # the system's trust store: the test CA is not in it
+        with pytest.raises(ConnectFailed, match="TLS handshake failed"):
+            await client.request("GET", f"{url}/health")
+
+
+async def test_https_stray_answer_while_idle_is_never_taken_as_the_next_answer() -> None:
+    ca = trustme.CA()
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    answers = {1: ok(b"first") + ok(b"stray"), 2: ok(b"second")}
+    async with tls_server(lambda n, head: answers[n], ca) as (url, connections):
+        client = HTTPClient(connect_timeout=2, ssl_context=client_context)
+        assert await client.request("GET", f"{url}/a") == (200, b"first")
+        assert await client.request("GET", f"{url}/a") == (200, b"second")
+        await client.aclose()
+    assert connections == [1, 2]
+
+
+async def test_a_pooled_connection_the_server_wrote_to_while_idle_is_closed() -> None:
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        reader = BufferedByteReceiveStream(stream)
+        async with stream:
+            while True:
+                try:
+                    await reader.receive_until(b"\r\n\r\n", 65536)
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                    return
+                await stream.send(ok(b"mine"))
+                await anyio.sleep(0.05)
+                await stream.send(ok(b"stray"))  # after the client read its answer and pooled us
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        client = HTTPClient(connect_timeout=1)
+        for _ in range(3):
+            assert await client.request("GET", f"http://127.0.0.1:{port}/a") == (200, b"mine")
+            await anyio.sleep(0.1)
+        await client.aclose()
+        group.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\nabc", ProtocolViolation),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n-1\r\nx\r\n0\r\n\r\n", ProtocolViolation),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabXX0\r\n\r\n", ProtocolViolation),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nabc", ProtocolViolation),
+        (b"HTTP/1.1 700 Odd\r\ncontent-length: 0\r\n\r\n", ProtocolViolation),
+        (b"HTTP/1.1 101 Switching\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n", ProtocolViolation),
+        (b"HTTP/1.1 200 OK\r\nx: " + b"a" * 70_000 + b"\r\n\r\n", ProtocolViolation),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nab", ConnectionLost),
+        (b"HTTP/1.1 200 OK\r\ncontent-len", ConnectionLost),
+        (b"", ConnectionLost),
+    ],
+)
+async def test_framing_violations_raise_the_documented_errors(answer: bytes, error: type[Exception]) -> None:
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        async with stream:  # answers, then closes: a truncated answer stays truncated
+            await BufferedByteReceiveStream(stream).receive_until(b"\r\n\r\n", 65536)
+            await stream.send(answer)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        client = HTTPClient(connect_timeout=1)
+        with anyio.fail_after(5), pytest.raises(error):
+            await client.request("GET", f"http://127.0.0.1:{port}/a")
+        await client.aclose()
+        group.cancel_scope.cancel()
+
+
+async def test_informational_answers_are_skipped() -> None:
+    answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n" + ok(b"final")
+    async with scripted_server(lambda n, head: answer if n == 1 else ok(b"next")) as (url, _, connections):
+        client = HTTPClient(connect_timeout=1)
+        assert await client.request("GET", url + "/a") == (200, b"final")
+        assert await client.request("GET", url + "/a") == (200, b"next")
+        await client.aclose()
+    assert connections == [1, 1]
+
+
+async def test_ipv6_literal_origin() -> None:
+    try:
+        listener = await anyio.create_tcp_listener(local_host="::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    heads: list[bytes] = []
+
+    async def serve(stream: anyio.abc.SocketStream) -> None:
+        reader = BufferedByteReceiveStream(stream)
+        async with stream:
+            heads.append(await reader.receive_until(b"\r\n\r\n", 65536))
+            await stream.send(ok(b"v6"))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(listener.serve, serve)
+        client = HTTPClient(connect_timeout=1)
+        assert await client.request("GET", f"http://[::1]:{port}/health") == (200, b"v6")
+        await client.aclose()
+        group.cancel_scope.cancel()
+    assert b"host: [::1]:%d" % port in heads[0]

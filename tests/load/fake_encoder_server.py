@@ -27,14 +27,15 @@ def derived_hash(model: str, uuid: str, body: dict) -> str:
     ).hexdigest()[:40]
 
 
-def reply(body: dict) -> bytes:
+def reply(body: dict, request_id: str = "random-id") -> bytes:
     entries = {}
     for index, part in enumerate(body["messages"][0]["content"]):
         entries[derived_hash(body["model"], part["uuid"], body)] = {
             "item_indices": [index],
             "metadata": {"image_grid_thw": [1, 26, 36]},
         }
-    return json.dumps({"id": "enc", "choices": [], "ec_transfer_params": entries}).encode()
+    answer = {"id": f"chatcmpl-{request_id}", "choices": [], "ec_transfer_params": entries}  # as vLLM's
+    return json.dumps(answer).encode()
 
 
 def response(status: int, payload: bytes) -> bytes:
@@ -66,10 +67,13 @@ class Encoder:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
                 _, path, _ = lines[0].split(" ", 2)
-                length = 0
+                length, request_id = 0, "random-id"
                 for line in lines[1:]:
-                    if line.lower().startswith("content-length:"):
-                        length = int(line.split(":", 1)[1])
+                    name, _, value = line.partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                    elif name.lower() == "x-request-id":
+                        request_id = value.strip()
                 body = await reader.readexactly(length) if length else b""
                 if path == "/health":
                     writer.write(response(200, b"") if self.mode() == "ok" else response(500, b"{}"))
@@ -77,7 +81,7 @@ class Encoder:
                     continue
                 mode = self.mode()
                 if mode == "ok":
-                    writer.write(response(200, reply(json.loads(body))))
+                    writer.write(response(200, reply(json.loads(body), request_id)))
                 elif mode == "500":
                     writer.write(response(500, b'{"error": {"message": "boom", "code": 500}}'))
                 elif mode == "hang":
@@ -85,7 +89,7 @@ class Encoder:
                 elif mode == "garbage":
                     writer.write(response(200, b"\x00\xffnot json at all"))
                 elif mode in ("drop", "refuse"):
-                    full = response(200, reply(json.loads(body)))
+                    full = response(200, reply(json.loads(body), request_id))
                     writer.write(full[: len(full) // 2])
                     await writer.drain()
                     writer.transport.abort()
