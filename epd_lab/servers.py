@@ -1,7 +1,7 @@
 """Start and stop real vLLM OpenAI servers (CPU build) as subprocesses: single instance, encoder, PD.
 
 Only the standard library and httpx, so it runs in the project's environment or in the vLLM one.
-Flags and environment follow ../shared/vllm-cpu/NOTES.md.
+Flags and environment: docs/vllm-cpu.md.
 """
 
 from __future__ import annotations

