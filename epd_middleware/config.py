@@ -38,15 +38,60 @@ class EPDConfig(BaseModel):
     encoders: tuple[str, ...] = Field(
         default=(),
         description=(
-            "Base URLs of the vLLM encoder instances (ec_producer), e.g. http://enc-0:8001. May be empty "
-            "only when prefill is set (P/D without remote encoders)."
+            "Base URLs of the vLLM encoder instances (ec_producer), e.g. http://enc-0:8001; "
+            "dns+http://NAME:PORT stands for every address NAME resolves to (a Kubernetes headless "
+            "Service). May be empty when prefill is set (P/D without remote encoders) or with "
+            "scheduler='llm-d' (the scheduler names the encoders)."
         ),
     )
     prefill: tuple[str, ...] = Field(
         default=(),
         description=(
-            "Base URLs of remote prefill instances (kv_producer). When set, every intercepted request is "
-            "prefilled on one of them (after its media is encoded) and this server only decodes."
+            "Base URLs of remote prefill instances (kv_producer), dns+http:// as for encoders. When set, "
+            "every intercepted request is prefilled on one of them (after its media is encoded) and this "
+            "server only decodes."
+        ),
+    )
+    scheduler: Literal["none", "llm-d"] = Field(
+        default="none",
+        description=(
+            "Who picks encoders and prefill servers per request. 'none': the middleware, from its pools. "
+            "'llm-d': llm-d's endpoint picker, through the x-encoder-hosts-ports and "
+            "x-prefiller-host-port headers the gateway forwards (a drop-in for llm-d's routing sidecar); "
+            "requests without them are served from the pools. The headers are removed in every mode."
+        ),
+    )
+    scheduler_allow: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Targets a scheduler header may name besides the members of the encoder and prefill pools: "
+            "CIDR networks (10.0.0.0/8: any port; 10.0.0.0/8:8001 or [fd00::/8]:8001: that port only) "
+            "and exact ip:port or host:port entries. A forged encoder entry is dropped; a forged prefill "
+            "target is refused with 403."
+        ),
+    )
+    scheduler_scheme: Literal["http", "https"] = Field(
+        default="http",
+        description="The scheme of the servers the scheduler headers name.",
+    )
+    dns_refresh_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds between lookups of the dns+http:// names of the pools.",
+    )
+    dns_timeout: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "Seconds one lookup of a dns+http:// name may take (the first one is awaited by requests "
+            "when no lifespan ran it yet)."
+        ),
+    )
+    dns_nameservers: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "DNS servers for the dns+http:// names, as host:port ([v6]:port); empty: the system's "
+            "resolver configuration (/etc/resolv.conf, search domains included)."
         ),
     )
     prefill_timeout: float = Field(
@@ -172,7 +217,15 @@ class EPDConfig(BaseModel):
     max_batch_size: int = Field(
         default=8,
         ge=1,
-        description="Most images sent to one encoder in one request.",
+        description="Most images sent to one encoder in one call.",
+    )
+    encoder_selection: Literal["affinity", "round_robin"] = Field(
+        default="affinity",
+        description=(
+            "How the pool's encoder for an item is chosen. 'affinity': by rendezvous hashing of the "
+            "item's content, so every process of every replica sends the same media to the same encoder "
+            "(whose caches then hit), with bounded load. 'round_robin': one after the other."
+        ),
     )
     rewrite: bool = Field(
         default=True,
@@ -241,10 +294,17 @@ class EPDConfig(BaseModel):
         cleaned = []
         for url in urls:
             parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"{role} URL {url!r} is not an http(s) URL with a host")
+            if parts.scheme not in ("http", "https", "dns+http", "dns+https") or not parts.netloc:
+                raise ValueError(f"{role} URL {url!r} is not an http(s) or dns+http(s) URL with a host")
             if parts.query or parts.fragment:
                 raise ValueError(f"{role} URL {url!r} must not carry a query or fragment")
+            if parts.scheme.startswith("dns+"):
+                try:
+                    port = parts.port
+                except ValueError:
+                    port = None
+                if port is None or parts.path.strip("/"):
+                    raise ValueError(f"{role} URL {url!r}: a dns+ URL is dns+http(s)://NAME:PORT")
             cleaned.append(url.rstrip("/"))
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"{role} URLs are repeated: {list(urls)}")
@@ -258,6 +318,23 @@ class EPDConfig(BaseModel):
             if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
                 raise ValueError(f"ec_consumer_zmq {address!r} is not a tcp://HOST:PORT address")
         return address
+
+    @field_validator("scheduler_allow")
+    @classmethod
+    def _check_allow(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        from .scheduler import parse_allowlist  # the syntax lives with its matching
+
+        parse_allowlist(entries)
+        return entries
+
+    @field_validator("dns_nameservers")
+    @classmethod
+    def _check_nameservers(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        from .discovery import parse_nameserver
+
+        for entry in entries:
+            parse_nameserver(entry)
+        return entries
 
     @field_validator("paths", "messages_paths", "responses_paths")
     @classmethod
@@ -281,10 +358,10 @@ class EPDConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_together(self) -> EPDConfig:
-        if not self.encoders and not self.prefill:
+        if not self.encoders and not self.prefill and self.scheduler == "none":
             raise ValueError(
                 "at least one encoder URL is required (EPD_ENCODERS or encoders=[...]), or prefill URLs "
-                "for P/D without remote encoders"
+                "for P/D without remote encoders, or scheduler='llm-d'"
             )
         surfaces = (self.paths, self.messages_paths, self.responses_paths)
         shared = {path for path in set().union(*surfaces) if sum(path in paths for paths in surfaces) > 1}
@@ -310,11 +387,12 @@ class EPDConfig(BaseModel):
         if "api_keys" not in values and env.get("VLLM_API_KEY"):
             # The key vLLM itself checks: with --middleware the middleware runs outside that check.
             values["api_keys"] = (env["VLLM_API_KEY"],)
-        if "encoders" not in values and "prefill" not in values:
+        if "encoders" not in values and "prefill" not in values and values.get("scheduler") != "llm-d":
             raise ValueError(
                 f"invalid EPD_* environment configuration: {cls.env_var('encoders')} is not set; give the "
                 "encoder base URLs, comma-separated (EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001), "
-                f"or {cls.env_var('prefill')} for P/D without remote encoders"
+                f"or {cls.env_var('prefill')} for P/D without remote encoders, or "
+                f"{cls.env_var('scheduler')}=llm-d"
             )
         try:
             return cls(**values)
@@ -343,6 +421,12 @@ class EPDOptions(TypedDict, total=False):
 
     encoders: Sequence[str]
     prefill: Sequence[str]
+    scheduler: Literal["none", "llm-d"]
+    scheduler_allow: Sequence[str]
+    scheduler_scheme: Literal["http", "https"]
+    dns_refresh_interval: float
+    dns_timeout: float
+    dns_nameservers: Sequence[str]
     prefill_timeout: float
     on_prefill_failure: Literal["error", "local"]
     ec_consumer_zmq: str | None
@@ -366,6 +450,7 @@ class EPDOptions(TypedDict, total=False):
     max_body_bytes: int
     max_media_items: int
     max_batch_size: int
+    encoder_selection: Literal["affinity", "round_robin"]
     rewrite: bool
     trust_client_uuid: bool
     check_embeddings: bool

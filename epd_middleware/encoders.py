@@ -76,7 +76,7 @@ async def encode(
 
         try:
             results[index] = await pool.call(
-                client, call.encoder, CHAT_COMPLETIONS_PATH, attempt, headers[index]
+                client, call.encoder, CHAT_COMPLETIONS_PATH, attempt, headers[index], call.preferred
             )
         except UpstreamError as exc:
             failures[index] = exc

@@ -13,6 +13,7 @@ import msgspec
 __all__ = [
     "BodyTooLarge",
     "EPDError",
+    "ForbiddenTarget",
     "NoHealthyUpstream",
     "Overloaded",
     "TooManyMediaItems",
@@ -88,6 +89,12 @@ class Unauthorized(EPDError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"www-authenticate", b"Bearer")]
+
+
+class ForbiddenTarget(EPDError):
+    """A request named a server (a scheduler header) that this server may not call."""
+
+    status = 403
 
 
 class _RetryLater(EPDError):

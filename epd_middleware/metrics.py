@@ -11,6 +11,7 @@ minimum (an encoder one process has ejected shows as unhealthy).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -50,6 +51,29 @@ class _Prometheus:
         self.engine_retries = prom.Counter(
             "epd_engine_retries",
             "Requests run again after the local engine answered 500 before the first byte.",
+        )
+        self.encoder_sources = prom.Counter(
+            "epd_encoder_selection",
+            "Encoded requests by who chose their encoders: the scheduler's header, the pool, or nobody "
+            "(every item left to the local engine).",
+            ["source"],
+        )
+        self.forged_targets = prom.Counter(
+            "epd_scheduler_forged_targets",
+            "Scheduler header entries naming a server outside the pools and the allowlist (encoders "
+            "dropped, prefill targets refused with 403).",
+            ["role"],
+        )
+        self.dns_lookups = prom.Counter(
+            "epd_dns_lookups",
+            "Lookups of the pools' dns+http:// names, by role and outcome (ok, failed).",
+            ["role", "outcome"],
+        )
+        self.pool_members = prom.Gauge(
+            "epd_pool_members",
+            "Servers in a pool now (static URLs plus DNS answers), by role.",
+            ["role"],
+            multiprocess_mode="livemax",
         )
         self.pools = {role: _PoolMetrics(prom, role) for role in ROLES}
 
@@ -163,6 +187,34 @@ class Stats:
         self.counters[f"{role}_foreign_answers"] += 1
         if self._prom is not None:
             self._child(self._prom.pools[role].foreign_answers, server).inc()
+
+    def encoder_source(self, source: str) -> None:
+        self.counters[f"encoders_chosen_by_{source}"] += 1
+        if self._prom is not None:
+            self._child(self._prom.encoder_sources, source).inc()
+
+    def forged_target(self, role: str) -> None:
+        self.counters[f"forged_{role}_targets"] += 1
+        if self._prom is not None:
+            self._child(self._prom.forged_targets, role).inc()
+
+    def dns_lookup(self, role: str, outcome: str) -> None:
+        self.counters[f"{role}_dns_lookups_{outcome}"] += 1
+        if self._prom is not None:
+            self._child(self._prom.dns_lookups, role, outcome).inc()
+
+    def pool_size(self, role: str, members: int) -> None:
+        if self._prom is not None:
+            self._child(self._prom.pool_members, role).set(members)
+
+    def forget(self, role: str, server: str) -> None:
+        """A server left the pool: its health series goes (a gauge would otherwise keep its last
+        value forever)."""
+        if self._prom is not None:
+            metric = self._prom.pools[role].healthy
+            self._children.pop((id(metric), server), None)
+            with contextlib.suppress(KeyError):
+                metric.remove(server)
 
     def health(self, role: str, server: str, healthy: bool) -> None:
         if self._prom is not None:

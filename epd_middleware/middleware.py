@@ -22,6 +22,7 @@ from typing_extensions import Unpack
 
 from .config import EPDConfig, EPDOptions
 from .errors import BodyTooLarge, EPDError, Unauthorized
+from .llmd import SCHEDULER_HEADERS
 from .logs import adopt_vllm_logging, logger
 from .pipeline import Pipeline, RequestContext
 from .protocol import (
@@ -31,6 +32,7 @@ from .protocol import (
     example_connector_storage,
     mooncake_consumers,
 )
+from .scheduler import NO_ROUTE, Route
 from .surfaces import ParsedRequest, Surface, anthropic_messages, openai_chat, openai_responses
 from .transport import HTTPClient, HttpxTransport, Transport
 
@@ -88,9 +90,17 @@ class EPDMiddleware:
         return self._pipeline
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scheduled: list[tuple[bytes, bytes]] | None = None
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            if any(name in SCHEDULER_HEADERS for name, _ in headers):
+                # A scheduler's routing headers (or a client's forgery of them) reach nobody but the
+                # middleware, whatever the path and the mode.
+                scheduled = headers
+                scope = {**scope, "headers": [item for item in headers if item[0] not in SCHEDULER_HEADERS]}
         surface = self._intercepts(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
         if surface is not None:
-            await _Exchange(self, surface, scope, receive, send).run()
+            await _Exchange(self, surface, scope, receive, send, scheduled).run()
         elif scope["type"] == "http" and self._status_path and _route_path(scope) == self._status_path:
             await self._status(scope, send)
         elif scope["type"] == "lifespan":
@@ -134,6 +144,11 @@ class EPDMiddleware:
                     "pid": os.getpid(),
                     "encoders": pipeline.encoders.snapshot(anyio.current_time()),
                     "prefill": pipeline.prefill.snapshot(anyio.current_time()),
+                    "dns": {
+                        discovery.pool.role: discovery.snapshot()
+                        for discovery in pipeline.discoveries
+                        if discovery.dynamic
+                    },
                     "pending_requests": pipeline.pending,
                     "counters": dict(pipeline.counters),
                     "embedding_storage_checked": self._server.storage(scope),
@@ -151,6 +166,8 @@ class EPDMiddleware:
                 headers = self._clients.probe_headers()
                 with probes:
                     async with anyio.create_task_group() as pools:
+                        for discovery in self._pipeline.discoveries:
+                            pools.start_soon(discovery.run)
                         pools.start_soon(self._pipeline.encoders.probe_forever, client, headers)
                         pools.start_soon(self._pipeline.prefill.probe_forever, client, headers)
 
@@ -281,38 +298,52 @@ class _Disconnected(Exception):
 class _Exchange:
     """One intercepted request: its state lives here, never on the middleware."""
 
-    __slots__ = ("middleware", "receive", "scope", "send", "surface")
+    __slots__ = ("middleware", "receive", "route", "scheduled", "scope", "send", "surface")
 
     def __init__(
-        self, middleware: EPDMiddleware, surface: Surface, scope: Scope, receive: Receive, send: Send
+        self,
+        middleware: EPDMiddleware,
+        surface: Surface,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        scheduled: list[tuple[bytes, bytes]] | None,
     ) -> None:
         self.middleware = middleware
         self.surface = surface
-        self.scope = scope
+        self.scope = scope  # without the scheduler's headers
         self.receive = receive
         self.send = send
+        self.scheduled = scheduled  # the request's headers as they came, when they held the scheduler's
+        self.route: Route = NO_ROUTE
 
     async def run(self) -> None:
         middleware = self.middleware
+        pipeline = middleware._pipeline
         if middleware.config.authenticate and not middleware._authorized(self.scope):
             await self._send_error(Unauthorized())
             return
         try:
+            if self.scheduled is not None:
+                self.route = pipeline.route(self.scheduled)  # before the body: a 403 reads nothing
             body = await self._read_body()
         except _Disconnected:
             return
-        except BodyTooLarge as exc:
+        except EPDError as exc:
+            pipeline.stats.request(f"error_{exc.status}")
             await self._send_error(exc)
             return
-        request = middleware._pipeline.parse(self.surface, body)
+        request = pipeline.parse(self.surface, body, self.route)
         if request is None:
-            middleware._pipeline.stats.request("passed_through")
+            pipeline.stats.request("passed_through")
             await middleware.app(self.scope, _replay(body, self.receive), self.send)
             return
         failure: Exception | None = None
         async with anyio.create_task_group() as group:
             client = _ClientWatch(self.receive, group.cancel_scope)
             group.start_soon(client.watch)
+            for discovery in pipeline.discoveries:
+                discovery.refresh_soon(group)
             try:
                 await self._encode_and_run(request, body, client)
             except Exception as exc:
@@ -403,6 +434,7 @@ class _Exchange:
             storage=middleware._server.storage(self.scope),
             authorization=self._authorization(),
             push_to=push_to,
+            route=self.route,
         )
         return await middleware._pipeline.prepare(self.surface, request, context)
 
@@ -539,6 +571,7 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 def _engine_headers(
     headers: Sequence[tuple[bytes, bytes]], length: int, request_id: str | None, rank: bytes | None
 ) -> list[tuple[bytes, bytes]]:
+    # The scheduler's headers are gone already (EPDMiddleware.__call__).
     dropped = (b"content-length", b"transfer-encoding", DATA_PARALLEL_RANK_HEADER if rank else b"")
     out = [(name, value) for name, value in headers if name not in dropped]
     out.append((b"content-length", str(length).encode()))

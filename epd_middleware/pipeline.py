@@ -3,7 +3,9 @@ request -> (remote prefill) -> body for the local engine.
 
 The same path serves every surface and every topology: E + PD,
 E + P + D (``prefill``), P + D without encoders, and Mooncake push (a consumer address to push to).
-Surfaces: chat completions, Anthropic Messages, OpenAI Responses.
+Surfaces: chat completions, Anthropic Messages, OpenAI Responses. Encoders and prefill servers come from
+the pools (static URLs and DNS names, :mod:`.discovery`) or from a scheduler's headers
+(:mod:`.scheduler`); :mod:`.selection` ranks them per item.
 """
 
 from __future__ import annotations
@@ -18,16 +20,19 @@ from typing import Any
 
 import anyio
 
+from . import selection
 from .config import EPDConfig
+from .discovery import Discovery
 from .encoders import EncoderRequest, encode
 from .errors import NoHealthyUpstream, Overloaded, TooManyMediaItems, UpstreamError
 from .handles import part_metadata, push_items, transfer_params
 from .logs import logger
 from .metrics import Stats
-from .plan import EncoderCall, media_items, plan_calls
+from .plan import EncoderCall, MediaItem, media_items, plan_calls
 from .pool import ServerPool
 from .prefill import decode_fields, prefill
 from .protocol import EC_CONSUMER_ZMQ, EC_ITEM_TRANSFER_ID, EC_ITEMS, REQUEST_ID_HEADER
+from .scheduler import NO_ROUTE, Route, Scheduler
 from .surfaces import ParsedRequest, Surface, Unusable, encode_fields
 from .transport import Transport
 
@@ -49,6 +54,8 @@ class RequestContext:
     authorization: str | None = None
     # Mooncake push: the ZMQ address encoders push this request's embeddings to.
     push_to: str | None = None
+    # The encoders and prefill server a scheduler chose for this request (empty: the pools decide).
+    route: Route = NO_ROUTE
 
 
 @dataclass
@@ -59,24 +66,49 @@ class Pipeline:
     stats: Stats = field(default_factory=Stats)
     encoders: ServerPool = field(init=False)
     prefill: ServerPool = field(init=False)
+    discoveries: tuple[Discovery, Discovery] = field(init=False)
+    scheduler: Scheduler | None = field(init=False, default=None)
     pending: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         config = self.config
-        self.encoders = ServerPool("encoder", config.encoders, config, config.encoder_timeout, self.stats)
-        self.prefill = ServerPool("prefill", config.prefill, config, config.prefill_timeout, self.stats)
+        self.encoders = ServerPool("encoder", config, config.encoder_timeout, self.stats)
+        self.prefill = ServerPool("prefill", config, config.prefill_timeout, self.stats)
+        self.discoveries = (
+            self._discovery(self.encoders, config.encoders),
+            self._discovery(self.prefill, config.prefill),
+        )
+        if config.scheduler == "llm-d":
+            self.scheduler = Scheduler(
+                config.scheduler_allow,
+                config.scheduler_scheme,
+                lambda: self.encoders.member_addresses,
+                lambda: self.prefill.member_addresses,
+                self.stats,
+            )
+
+    def _discovery(self, pool: ServerPool, urls: tuple[str, ...]) -> Discovery:
+        config = self.config
+        return Discovery(
+            pool, urls, config.dns_refresh_interval, config.dns_timeout, config.dns_nameservers, self.stats
+        )
 
     @property
     def counters(self) -> Counter[str]:
         return self.stats.counters
 
-    def parse(self, surface: Surface, body: bytes) -> ParsedRequest | None:
+    def route(self, headers: list[tuple[bytes, bytes]]) -> Route:
+        """What the scheduler chose for this request (:class:`~epd_middleware.errors.ForbiddenTarget`
+        for a prefill target it may not call); nothing without a scheduler."""
+        return NO_ROUTE if self.scheduler is None else self.scheduler.route(headers)
+
+    def parse(self, surface: Surface, body: bytes, route: Route = NO_ROUTE) -> ParsedRequest | None:
         """The request's media parts, or None when the body passes to the engine unchanged.
 
         Cheap for bodies without media: a byte scan, no JSON parse. With remote prefill every request
         goes through P, so every body is parsed.
         """
-        with_prefill = bool(self.config.prefill)
+        with_prefill = bool(self.config.prefill or route.prefill)
         if not with_prefill and not surface.may_hold_media(body):
             return None
         started = time.perf_counter()
@@ -105,16 +137,22 @@ class Pipeline:
             )
         self.pending += 1
         try:
+            route = context.route
             fields = request.fields
             notes: list[str] = []
-            if request.media and config.encoders:
+            remote_prefill = bool(config.prefill or route.prefill)
+            for discovery in self.discoveries:
+                await discovery.ready()
+            if request.media and (config.encoders or route.encoders):
                 fields = await self._encode(surface, request, context, notes)
-            blocker = surface.prefill_blocker(fields) if config.prefill else None
+            elif request.media:
+                self.stats.encoder_source("local")  # no encoder anywhere: vLLM encodes it itself
+            blocker = surface.prefill_blocker(fields) if remote_prefill else None
             if blocker is not None:
                 self.stats.request("prefill_skipped")
                 notes.append(f"prefilled here: {blocker}")
                 fields = decode_fields(fields, None)
-            elif config.prefill:
+            elif remote_prefill:
                 fields = await self._prefill(surface, fields, context, notes, encoded=bool(request.media))
             body = encode_fields(fields)
             if notes and logger.isEnabledFor(logging.INFO):
@@ -147,14 +185,11 @@ class Pipeline:
             encoder_part=surface.encoder_part,
         )
         local = config.on_encoder_failure == "local"
-        encoders = pool.available(anyio.current_time())
-        if not encoders and not local:
+        choices, source = self._choose(items, context.route)
+        if not choices and not local:
             raise NoHealthyUpstream("every encoder is failing its calls; retry later", config.retry_after)
-        calls = (
-            plan_calls(items, encoders, pool.reserve(len(items), len(encoders)), config.max_batch_size)
-            if encoders
-            else ()
-        )
+        self.stats.encoder_source(source if choices else "local")
+        calls = plan_calls(items, choices, config.max_batch_size) if choices else ()
         started = time.perf_counter()
         outcome = await encode(
             pool,
@@ -205,6 +240,32 @@ class Pipeline:
             )
         return fields
 
+    def _choose(self, items: tuple[MediaItem, ...], route: Route) -> tuple[list[tuple[str, ...]], str]:
+        """An encoder ranking per item, and who chose it (``scheduler`` or ``pool``); no rankings when no
+        encoder is available."""
+        pool, config, now = self.encoders, self.config, anyio.current_time()
+        if route.encoders:
+            rankings = selection.scheduled(route.encoders, len(items), lambda url: pool.usable(url, now))
+            if rankings is not None:
+                return rankings, "scheduler"
+        encoders = pool.available(now)
+        if not encoders:
+            return [], "pool"
+        if config.encoder_selection == "round_robin":
+            return selection.round_robin(
+                encoders, pool.reserve(len(items), len(encoders)), len(items)
+            ), "pool"
+        return (
+            selection.affinity(
+                items,
+                encoders,
+                pool.in_flight_by_server(),
+                max_inflight=config.max_inflight_per_encoder,
+                max_batch_size=config.max_batch_size,
+            ),
+            "pool",
+        )
+
     @staticmethod
     def _encoder_requests(
         surface: Surface, request: ParsedRequest, calls: tuple[EncoderCall, ...], push_to: str | None
@@ -244,6 +305,7 @@ class Pipeline:
                 fields,
                 self._headers(context, "prefill"),
                 retry_after=config.retry_after,
+                preferred=(context.route.prefill,) if context.route.prefill else (),
             )
         except (UpstreamError, NoHealthyUpstream) as exc:
             rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad

@@ -39,10 +39,11 @@ class MediaItem:
 
 @dataclass(frozen=True, slots=True)
 class EncoderCall:
-    """One request to one encoder for one or more items."""
+    """One request to one encoder for one or more items; ``preferred``: where it fails over first."""
 
     encoder: str
     items: tuple[MediaItem, ...]
+    preferred: tuple[str, ...] = ()
 
 
 def content_uuid(modality: str, content: Sequence[str | Raw], salt: str | None = None) -> str:
@@ -70,28 +71,34 @@ def content_uuid(modality: str, content: Sequence[str | Raw], salt: str | None =
 
 def plan_calls(
     items: Sequence[MediaItem],
-    encoders: Sequence[str],
-    start: int,
+    choices: Sequence[Sequence[str]],
     max_batch_size: int,
 ) -> tuple[EncoderCall, ...]:
-    """Spread ``items`` over ``encoders`` round-robin from cursor ``start``.
+    """Send each item to the first of its ``choices`` (an encoder ranking per item, from
+    :mod:`.selection`); the rest of its ranking is where its call fails over first.
 
-    Images that land on the same encoder travel together, at most ``max_batch_size`` a call; audio and
-    video go one item a call (vLLM encodes them one by one and they are large).
+    Images that land on the same encoder travel together, at most ``max_batch_size`` a call, failing
+    over in the order of the batch's first item; audio and video go one item a call (vLLM encodes them
+    one by one and they are large).
     """
     batches: dict[str, list[MediaItem]] = {}
+    preferred: dict[str, tuple[str, ...]] = {}
     calls: list[EncoderCall] = []
-    for offset, item in enumerate(items):
-        encoder = encoders[(start + offset) % len(encoders)]
+    for item, ranking in zip(items, choices, strict=True):
+        encoder, rest = ranking[0], tuple(ranking[1:])
         if item.modality in UNBATCHED_MODALITIES:
-            calls.append(EncoderCall(encoder, (item,)))
+            calls.append(EncoderCall(encoder, (item,), rest))
             continue
         batch = batches.setdefault(encoder, [])
+        if not batch:
+            preferred[encoder] = rest
         batch.append(item)
         if len(batch) == max_batch_size:
-            calls.append(EncoderCall(encoder, tuple(batch)))
+            calls.append(EncoderCall(encoder, tuple(batch), preferred[encoder]))
             batch.clear()
-    calls.extend(EncoderCall(encoder, tuple(batch)) for encoder, batch in batches.items() if batch)
+    calls.extend(
+        EncoderCall(encoder, tuple(batch), preferred[encoder]) for encoder, batch in batches.items() if batch
+    )
     return tuple(calls)
 
 

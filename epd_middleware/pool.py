@@ -1,9 +1,13 @@
 """A pool of remote vLLM servers of one role (encoders, prefill servers) and how calls to them fail over.
 
-It owns what every pool needs and nothing about what the calls carry: the round-robin cursor, passive
-health (consecutive failures eject a server for a cool-down that doubles while it keeps failing), active
-health probes, the bound on calls in flight per server, and failover of a failed call to another server
-of the pool. The encoder and prefill stages build the bodies and read the replies.
+It owns what every pool needs and nothing about what the calls carry: its members (set by
+:mod:`.discovery`), the round-robin cursor, passive health (consecutive failures eject a server for a
+cool-down that doubles while it keeps failing), active health probes, the bound on calls in flight per
+server, and failover of a failed call to another server. The encoder and prefill stages build the bodies
+and read the replies; :mod:`.selection` and :mod:`.scheduler` say which servers a call should try.
+
+Calls may also go to servers that are not members (a scheduler named them): they get health and limits
+like members, and are forgotten once idle.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from .llmd import url_host_port
 from .logs import logger
 from .metrics import Stats
 from .protocol import REQUEST_ID_HEADER, foreign_answer_id
@@ -61,30 +66,97 @@ class Attempt(Generic[T]):
     read: Callable[[str, dict[str, Any]], T]
 
 
+# Health records kept for servers that are not members (named by a scheduler) before idle ones are
+# forgotten: bounds the memory a stream of distinct targets can take.
+_MAX_STRANGERS = 1024
+
+
 @dataclass
 class ServerPool:
     """The servers of one role, their health and their limits. One per middleware, so one per
     API-server process."""
 
     role: str
-    urls: tuple[str, ...]
     config: EPDConfig
     timeout: float
     stats: Stats = field(default_factory=Stats)
-    _health: dict[str, _Health] = field(init=False)
+    members: tuple[str, ...] = field(init=False, default=())
+    # (host, port) of every member, as a scheduler header would name it
+    member_addresses: frozenset[tuple[str, int]] = field(init=False, default=frozenset())
+    _member_set: frozenset[str] = field(init=False, default=frozenset())
+    _health: dict[str, _Health] = field(init=False, default_factory=dict)
     _limiters: dict[str, anyio.CapacityLimiter] = field(init=False, default_factory=dict)
     _next: int = field(init=False, default=0)
 
-    def __post_init__(self) -> None:
-        self._health = {url: _Health() for url in self.urls}
-        for url in self.urls:
-            self.stats.health(self.role, url, True)
+    # --- membership --------------------------------------------------------------------------------
+
+    def set_members(self, urls: Sequence[str]) -> None:
+        """Make ``urls`` the members: new ones take traffic at once, vanished ones get no new calls
+        (calls in flight finish), survivors keep their health."""
+        members = tuple(dict.fromkeys(urls))
+        if members == self.members:
+            return
+        old = self._member_set
+        self.members, self._member_set = members, frozenset(members)
+        self.member_addresses = frozenset(url_host_port(url) for url in members)
+        for url in members:
+            if url not in old:
+                self._health.setdefault(url, _Health())
+                self.stats.health(self.role, url, self._health[url].ejected_until == 0.0)
+        for url in old - self._member_set:
+            self.stats.forget(self.role, url)
+            self._forget_if_idle(url)
+        self.stats.pool_size(self.role, len(members))
+        if old:
+            logger.info(
+                "%s pool: %d member(s)%s%s",
+                self.role,
+                len(members),
+                f"; added {sorted(self._member_set - old)}" if self._member_set - old else "",
+                f"; removed {sorted(old - self._member_set)}" if old - self._member_set else "",
+            )
+
+    def is_member(self, url: str) -> bool:
+        return url in self._member_set
+
+    def _record(self, url: str) -> _Health:
+        health = self._health.get(url)
+        if health is None:
+            if len(self._health) - len(self.members) >= _MAX_STRANGERS:
+                for stranger in [u for u in self._health if u not in self._member_set]:
+                    self._forget_if_idle(stranger)
+            health = self._health[url] = _Health()
+        return health
+
+    def _forget_if_idle(self, url: str) -> None:
+        health = self._health.get(url)
+        limiter = self._limiters.get(url)
+        if (
+            health is not None
+            and health.in_flight == 0
+            and url not in self._member_set
+            and (limiter is None or not limiter.statistics().tasks_waiting)
+        ):
+            del self._health[url]
+            self._limiters.pop(url, None)
 
     # --- selection -------------------------------------------------------------------------------
 
     def available(self, now: float) -> tuple[str, ...]:
-        """Servers not ejected at ``now``; an ejected one comes back for a trial when its cool-down ends."""
-        return tuple(url for url, health in self._health.items() if health.ejected_until <= now)
+        """Members not ejected at ``now``; an ejected one comes back for a trial when its cool-down
+        ends."""
+        health = self._health
+        return tuple(url for url in self.members if health[url].ejected_until <= now)
+
+    def in_flight_by_server(self) -> dict[str, int]:
+        """Calls in flight per member (from this process)."""
+        health = self._health
+        return {url: health[url].in_flight for url in self.members}
+
+    def usable(self, url: str, now: float) -> bool:
+        """``url`` is not ejected at ``now`` (members and strangers alike)."""
+        health = self._health.get(url)
+        return health is None or health.ejected_until <= now
 
     def reserve(self, count: int, among: int) -> int:
         """Claim ``count`` consecutive slots of the round-robin cursor over ``among`` servers.
@@ -96,12 +168,17 @@ class ServerPool:
         self._next = (start + count) % max(among, 1)
         return start
 
-    def pick(self, now: float) -> str | None:
-        """The next available server in round-robin order, None when every one is ejected."""
-        return self.failover_target((), now)
+    def pick(self, now: float, preferred: Sequence[str] = ()) -> str | None:
+        """The first of ``preferred`` that is not ejected, else the next available member in
+        round-robin order; None when every one is ejected."""
+        return self.failover_target((), now, preferred)
 
-    def failover_target(self, tried: Sequence[str], now: float) -> str | None:
-        """The next available server not yet tried for this call."""
+    def failover_target(self, tried: Sequence[str], now: float, preferred: Sequence[str] = ()) -> str | None:
+        """The next server not yet tried for this call: the first usable one of ``preferred`` (the
+        call's own order), else the next available member in round-robin order."""
+        for url in preferred:
+            if url not in tried and self.usable(url, now):
+                return url
         candidates = [url for url in self.available(now) if url not in tried]
         if not candidates:
             return None
@@ -110,7 +187,7 @@ class ServerPool:
     # --- health ----------------------------------------------------------------------------------
 
     def record_success(self, url: str) -> None:
-        health = self._health[url]
+        health = self._record(url)
         if health.ejected_until:
             logger.info("%s %s is back", self.role, url)
             self.stats.health(self.role, url, True)
@@ -119,7 +196,7 @@ class ServerPool:
         health.cooldown = 0.0
 
     def record_failure(self, url: str, now: float, reason: str) -> None:
-        health = self._health[url]
+        health = self._record(url)
         health.failures += 1
         if health.failures >= self.config.eject_after and health.ejected_until <= now:
             config = self.config
@@ -136,9 +213,11 @@ class ServerPool:
             )
 
     def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
-        """Health and load of every server, for status pages and tests."""
+        """Health and load of every server known (``member``: in the pool, else named by a scheduler or
+        leaving the pool), for status pages and tests."""
         return {
             url: {
+                "member": url in self._member_set,
                 "healthy": health.ejected_until <= now,
                 "consecutive_failures": health.failures,
                 "ejected_for_s": max(0.0, health.ejected_until - now),
@@ -166,16 +245,17 @@ class ServerPool:
                 self.record_failure(url, anyio.current_time(), reason)
 
         async with anyio.create_task_group() as group:
-            for url in self.urls:
+            for url in self.members:
                 group.start_soon(one, url)
 
     async def probe_forever(self, client: Transport, headers: Mapping[str, str]) -> None:
         interval = self.config.health_check_interval
-        if interval <= 0 or not self.urls:
+        if interval <= 0:
             return
         while True:
             await anyio.sleep(interval)
-            await self.probe(client, headers)
+            if self.members:
+                await self.probe(client, headers)
 
     # --- calls -----------------------------------------------------------------------------------
 
@@ -193,10 +273,12 @@ class ServerPool:
         path: str,
         attempt: Callable[[], Attempt[T]],
         headers: Mapping[str, str],
+        preferred: Sequence[str] = (),
     ) -> T:
-        """POST to ``first``, then to other available servers while the call fails in a way another
-        server may not (up to ``max_attempts`` servers). A rejection of the request itself is raised at
-        once; the last failure is raised when no server is left."""
+        """POST to ``first``, then to other servers while the call fails in a way another server may not
+        (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
+        rejection of the request itself is raised at once; the last failure is raised when no server is
+        left."""
         tried: list[str] = []
         server: str | None = first
         last: UpstreamError | None = None
@@ -212,7 +294,7 @@ class ServerPool:
                 last = exc
                 now = anyio.current_time()
                 self.record_failure(server, now, exc.reason)
-                failed, server = server, self.failover_target(tried, now)
+                failed, server = server, self.failover_target(tried, now, preferred)
                 if server is not None:
                     self.stats.failover(self.role, failed)
                 logger.warning(
@@ -230,7 +312,7 @@ class ServerPool:
     async def _call_once(
         self, client: Transport, server: str, path: str, attempt: Attempt[T], headers: Mapping[str, str]
     ) -> T:
-        role, health, timeout = self.role, self._health[server], self.timeout
+        role, health, timeout = self.role, self._record(server), self.timeout
         try:
             with anyio.fail_after(timeout):
                 limiter = self._limiter(server)

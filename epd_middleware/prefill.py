@@ -10,7 +10,7 @@ fail over like encoder calls (:mod:`epd_middleware.pool`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -53,14 +53,18 @@ async def prefill(
     headers: Mapping[str, str],
     *,
     retry_after: int,
+    preferred: Sequence[str] = (),
 ) -> dict[str, Any] | None:
-    """Prefill ``fields`` on the next prefill server (failing over); P's ``kv_transfer_params``."""
-    server = pool.pick(anyio.current_time())
+    """Prefill ``fields`` on the first usable ``preferred`` server (a scheduler's choice), else the
+    next of the pool (failing over); P's ``kv_transfer_params``."""
+    server = pool.pick(anyio.current_time(), preferred)
     if server is None:
         raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
     body = outgoing_body(prefill_fields(fields, surface))
-    return await pool.call(client, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers)
+    return await pool.call(
+        client, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
+    )
 
 
 def _kv_transfer_params(server: str, reply: dict[str, Any]) -> dict[str, Any] | None:

@@ -40,10 +40,13 @@ class EPDPlugin:
         self.config = config
         app.add_middleware(EPDMiddleware, config=config)
         logger.info(
-            "epd: encoder disaggregation over %d encoder(s): %s%s",
+            "epd: encoder disaggregation over %d encoder(s): %s%s%s",
             len(config.encoders),
             ", ".join(config.encoders) or "none",
             f"; remote prefill on {', '.join(config.prefill)}" if config.prefill else "",
+            "; encoders and prefill servers chosen by llm-d's scheduler where its headers say"
+            if config.scheduler == "llm-d"
+            else "",
         )
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
@@ -73,8 +76,8 @@ def check_server(vllm_config: Any, config: EPDConfig | None = None) -> None:
                 f"kv_role is {role!r}; start it with --kv-transfer-config "
                 '\'{"kv_connector": ..., "kv_role": "kv_consumer", ...}\''
             )
-    if config is not None and not config.encoders:
-        return
+    if config is not None and not config.encoders and config.scheduler == "none":
+        return  # P/D only: no encoder will ever be called
     ec = getattr(vllm_config, "ec_transfer_config", None)
     if ec is None or getattr(ec, "ec_connector", None) is None:
         raise RuntimeError(

@@ -344,6 +344,9 @@ def build_app(
     client = upstream_client(encoders, prefill) if prefill is not None else encoders.client()
     if prefill is not None:
         options.setdefault("prefill", prefill.urls)
+    # These tests count calls per encoder in the order round-robin gives (today's behaviour, kept by
+    # encoder_selection='round_robin'); the affinity tests ask for it explicitly.
+    options.setdefault("encoder_selection", "round_robin")
     app.add_middleware(EPDMiddleware, encoders=encoders.urls, http_client=client, **options)
     return app, client
 
@@ -354,6 +357,7 @@ def app_with_encoder_handler(
     """A fake engine app with the middleware, whose encoder calls all go to ``handler``."""
     engine = FakeEngine()
     app = engine.app()
+    options.setdefault("encoder_selection", "round_robin")
     app.add_middleware(
         EPDMiddleware, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)), **options
     )

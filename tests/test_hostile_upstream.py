@@ -98,7 +98,7 @@ async def test_every_request_gets_its_own_handles_or_a_clean_error(
 async def test_another_requests_answer_fails_over_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
     engine = FakeEngine()
     async with raw_upstream("another request's answer") as bad, raw_upstream("ok") as good:
-        app = middleware_app(engine, [bad.url, good.url], max_attempts=2)
+        app = middleware_app(engine, [bad.url, good.url], max_attempts=2, encoder_selection="round_robin")
         with caplog.at_level(logging.WARNING, logger="epd_middleware"):
             for number in range(4):
                 own_handles(await post(app, chat_body(image(png(number)))), engine, number + 1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from epd_middleware import EPDConfig, EPDMiddleware, UpstreamBadReply
+from epd_middleware import EPDConfig, EPDMiddleware, UpstreamBadReply, selection
 from epd_middleware.handles import Handle, match_reply, part_metadata, transfer_params
 from epd_middleware.plan import EncoderCall, MediaItem, content_uuid, plan_calls
 from epd_middleware.surfaces import ParsedRequest
@@ -57,8 +57,8 @@ def test_every_field_has_an_env_var_and_a_middleware_keyword() -> None:
     ("options", "message"),
     [
         ({"encoders": []}, "at least one encoder"),
-        ({"encoders": ["enc-0:8001"]}, "not an http(s) URL"),
-        ({"encoders": ["ftp://enc-0"]}, "not an http(s) URL"),
+        ({"encoders": ["enc-0:8001"]}, "not an http"),
+        ({"encoders": ["ftp://enc-0"]}, "not an http"),
         ({"encoders": [E0, E0 + "/"]}, "repeated"),
         ({"encoders": [E0], "encoder_timeout": -1}, "greater than 0"),
         ({"encoders": [E0], "max_batch_size": 0}, "greater than or equal to 1"),
@@ -245,8 +245,12 @@ def shape(calls: tuple[EncoderCall, ...]) -> list[tuple[str, list[str]]]:
     return [(call.encoder, [item.uuid for item in call.items]) for call in calls]
 
 
+def rr(modalities: list[MediaItem], encoders: list[str], start: int, size: int) -> tuple[EncoderCall, ...]:
+    return plan_calls(modalities, selection.round_robin(encoders, start, len(modalities)), size)
+
+
 def test_plan_round_robin_from_the_cursor_with_batches() -> None:
-    calls = plan_calls(items(*["image"] * 7), [E0, E1, E2], start=1, max_batch_size=2)
+    calls = rr(items(*["image"] * 7), [E0, E1, E2], start=1, size=2)
     assert shape(calls) == [
         (E1, ["u0", "u3"]),
         (E2, ["u1", "u4"]),
@@ -256,9 +260,7 @@ def test_plan_round_robin_from_the_cursor_with_batches() -> None:
 
 
 def test_plan_sends_audio_and_video_alone() -> None:
-    calls = plan_calls(
-        items("image", "audio", "image", "video", "image"), [E0, E1], start=0, max_batch_size=8
-    )
+    calls = rr(items("image", "audio", "image", "video", "image"), [E0, E1], start=0, size=8)
     assert shape(calls) == [(E1, ["u1"]), (E1, ["u3"]), (E0, ["u0", "u2", "u4"])]
 
 
@@ -266,10 +268,11 @@ def test_pool_cursor_spreads_single_item_requests_evenly() -> None:
     from epd_middleware.pool import ServerPool
 
     config = EPDConfig(encoders=(E0, E1, E2))
-    pool = ServerPool("encoder", config.encoders, config, config.encoder_timeout)
+    pool = ServerPool("encoder", config, config.encoder_timeout)
+    pool.set_members(config.encoders)
     counts = {E0: 0, E1: 0, E2: 0}
     for _ in range(30):
-        [call] = plan_calls(items("image"), pool.urls, pool.reserve(1, 3), 8)
+        [call] = rr(items("image"), list(pool.members), pool.reserve(1, 3), 8)
         counts[call.encoder] += 1
     assert counts == {E0: 10, E1: 10, E2: 10}
 

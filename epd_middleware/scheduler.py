@@ -1,0 +1,142 @@
+"""The scheduler protocol: which encoders and prefill server llm-d's endpoint picker chose for a request,
+and whether the middleware may call them.
+
+A target named by a header is used only if it is a member of the encoder (or prefill) pool, exact host
+and port, or the allowlist (``scheduler_allow``) admits it. The check runs before any connection is
+opened. A forged encoder entry is dropped (the request is served as if it were absent); a forged
+prefill target is refused with 403, since the request said where its KV cache must come from.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .errors import ForbiddenTarget
+from .llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values, split_host_port
+from .logs import logger
+from .metrics import Stats
+
+__all__ = ["Allowlist", "Route", "Scheduler", "parse_allowlist"]
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Allowlist:
+    """Networks (any port, or one port) and exact (host, port) entries."""
+
+    networks: tuple[tuple[Network, int | None], ...] = ()
+    exact: frozenset[tuple[str, int]] = frozenset()
+
+    def admits(self, host: str, port: int) -> bool:
+        if (host, port) in self.exact:
+            return True
+        if not self.networks:
+            return False
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False  # a network admits addresses, never names
+        return any(address in network and allowed in (None, port) for network, allowed in self.networks)
+
+
+def parse_allowlist(entries: Sequence[str]) -> Allowlist:
+    """``10.0.0.0/8``, ``10.0.0.0/8:8001``, ``[fd00::/8]:8001``, ``fd00::/8``, ``10.1.2.3:8001``,
+    ``[fd00::1]:8001``, ``enc-0.pool:8001``. ValueError names an entry that is none of these."""
+    networks: list[tuple[Network, int | None]] = []
+    exact: set[tuple[str, int]] = set()
+    for entry in (item.strip() for item in entries):
+        if "/" in entry:
+            text, port = entry, None
+            if entry.startswith("[") and "]:" in entry:
+                text, _, port_text = entry[1:].partition("]:")
+                port = _port(port_text, entry)
+            elif entry.count(":") == 1:  # IPv4 network with a port; an IPv6 one has several colons
+                text, _, port_text = entry.partition(":")
+                port = _port(port_text, entry)
+            try:
+                networks.append((ipaddress.ip_network(text, strict=False), port))
+            except ValueError:
+                raise ValueError(f"scheduler_allow entry {entry!r} is not a network") from None
+            continue
+        target = split_host_port(entry)
+        if target is None:
+            raise ValueError(
+                f"scheduler_allow entry {entry!r} is neither a network (10.0.0.0/8, 10.0.0.0/8:8001) "
+                "nor ip:port / [v6]:port / host:port"
+            )
+        exact.add(target)
+    return Allowlist(tuple(networks), frozenset(exact))
+
+
+def _port(text: str, entry: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"scheduler_allow entry {entry!r} has no valid port")
+    return int(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request's work goes, when a scheduler said: encoders in its order (empty: the pool
+    decides), and the prefill server (None: the pool decides, if there is one)."""
+
+    encoders: tuple[str, ...] = ()
+    prefill: str | None = None
+
+
+NO_ROUTE = Route()
+
+
+class Scheduler:
+    """Reads llm-d's headers into a :class:`Route`, keeping what the allowlist and the pools admit."""
+
+    def __init__(
+        self,
+        allow: Sequence[str],
+        scheme: str,
+        encoder_members: Callable[[], frozenset[tuple[str, int]]],
+        prefill_members: Callable[[], frozenset[tuple[str, int]]],
+        stats: Stats,
+    ) -> None:
+        self._allow = parse_allowlist(allow)
+        self._scheme = scheme
+        self._encoder_members = encoder_members
+        self._prefill_members = prefill_members
+        self._stats = stats
+
+    def route(self, headers: list[tuple[bytes, bytes]]) -> Route:
+        """The request's route; :class:`ForbiddenTarget` for a prefill target nobody allowed."""
+        prefill: str | None = None
+        named = header_values(headers, PREFILLER_HEADER)
+        if named:
+            target = self._target(named[0], self._prefill_members)
+            if target is None:
+                self._stats.forged_target("prefill")
+                logger.warning("refused a request whose prefill target %r is not allowed", named[0][:100])
+                raise ForbiddenTarget(
+                    f"prefill target {named[0][:100]!r} is not a prefill server this server may call",
+                    param=PREFILLER_HEADER.decode(),
+                )
+            prefill = target
+        encoders: list[str] = []
+        for entry in header_values(headers, ENCODER_HOSTS_HEADER):
+            target = self._target(entry, self._encoder_members)
+            if target is None:
+                self._stats.forged_target("encoder")
+                logger.warning("dropped encoder %r named by the scheduler header: not allowed", entry[:100])
+            elif target not in encoders:
+                encoders.append(target)
+        if prefill is None and not encoders:
+            return NO_ROUTE
+        return Route(tuple(encoders), prefill)
+
+    def _target(self, entry: str, members: Callable[[], frozenset[tuple[str, int]]]) -> str | None:
+        parsed = split_host_port(entry)
+        if parsed is None:
+            return None
+        host, port = parsed
+        if parsed not in members() and not self._allow.admits(host, port):
+            return None
+        return f"{self._scheme}://[{host}]:{port}" if ":" in host else f"{self._scheme}://{host}:{port}"
