@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "ENCODER_HOSTS_HEADER",
+    "EPP_PLUGIN_TYPES",
     "KV_CACHE_SOURCE_HEADER",
     "PREFILLER_HEADER",
     "ROLES",
@@ -38,9 +39,35 @@ KV_CACHE_SOURCE_HEADER: Final = b"x-kv-cache-source-host-port"
 SCHEDULER_HEADERS: Final = frozenset({ENCODER_HOSTS_HEADER, PREFILLER_HEADER, KV_CACHE_SOURCE_HEADER})
 
 # Pod label that tells the endpoint picker's filters (encode-filter, prefill-filter, decode-filter)
-# which role a pod of the InferencePool plays.
+# which role a pod of the InferencePool plays (``pkg/epp/framework/plugins/scheduling/filter/bylabel/
+# roles.go``: encode-filter takes encode; prefill-filter prefill and prefill-decode; decode-filter decode
+# and prefill-decode).
 ROLE_LABEL: Final = "llm-d.ai/role"
 ROLES: Final = ("encode", "prefill", "decode", "prefill-decode")
+
+# Endpoint-picker plugin types llm-d registers (``cmd/epp/runner/runner.go`` and the plugins' READMEs)
+# that an E/PD or E/P/D configuration uses: the manifests in deploy/kubernetes name no others.
+EPP_PLUGIN_TYPES: Final = frozenset(
+    {
+        "encode-filter",
+        "prefill-filter",
+        "decode-filter",
+        "always-disagg-multimodal-decider",
+        "always-disagg-pd-decider",
+        "prefix-based-pd-decider",
+        "disagg-profile-handler",
+        "single-profile-handler",
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "prefix-cache-scorer",
+        "approx-prefix-cache-producer",
+        "mm-embeddings-cache-producer",
+        "mm-embeddings-cache-scorer",
+        "max-score-picker",
+        "random-picker",
+        "weighted-random-picker",
+    }
+)
 
 
 def header_values(headers: list[tuple[bytes, bytes]], name: bytes) -> list[str]:

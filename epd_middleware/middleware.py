@@ -231,6 +231,7 @@ class _ServerFacts:
         self._storage: object = config.ec_storage_path if config.ec_storage_path else _UNRESOLVED
         self._keys: tuple[bytes, ...] | None = None
         self._consumers: object = _UNRESOLVED
+        self._kv_consumer: bool | None = None
         self._next_rank = 0
 
     def api_keys(self, scope: Scope) -> tuple[bytes, ...]:
@@ -253,6 +254,23 @@ class _ServerFacts:
             if self._storage:
                 logger.info("epd: checking embeddings under %s before referencing them", self._storage)
         return self._storage if isinstance(self._storage, str) else None
+
+    def kv_consumer(self, scope: Scope) -> bool:
+        """Whether this server can take a KV cache another server prefilled (``kv_consumer`` or
+        ``kv_both``); True outside vLLM, where nothing says otherwise."""
+        if self._kv_consumer is None:
+            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            if vllm_config is None:
+                return True  # not known yet (or not inside vLLM): look again next time
+            role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
+            self._kv_consumer = role in ("kv_consumer", "kv_both")
+            if not self._kv_consumer and self._config.scheduler == "llm-d":
+                logger.warning(
+                    "epd: this server has no KV consumer role (kv_role %r): a scheduler's "
+                    "x-prefiller-host-port is ignored and requests are prefilled here",
+                    role,
+                )
+        return self._kv_consumer
 
     def push_target(self, scope: Scope) -> tuple[str | None, bytes | None]:
         """Mooncake push: the address encoders push this request's embeddings to, and the data-parallel
@@ -326,6 +344,9 @@ class _Exchange:
         try:
             if self.scheduled is not None:
                 self.route = pipeline.route(self.scheduled)  # before the body: a 403 reads nothing
+                if self.route.prefill is not None and not middleware._server.kv_consumer(self.scope):
+                    pipeline.stats.request("prefill_header_ignored")
+                    self.route = Route(self.route.encoders, None)
             body = await self._read_body()
         except _Disconnected:
             return
