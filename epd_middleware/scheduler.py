@@ -10,6 +10,7 @@ prefill target is refused with 403, since the request said where its KV cache mu
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +106,8 @@ class Scheduler:
         self._encoder_members = encoder_members
         self._prefill_members = prefill_members
         self._stats = stats
+        self._warned_at = float("-inf")
+        self._unwarned = 0
 
     def route(self, headers: list[tuple[bytes, bytes]]) -> Route:
         """The request's route; :class:`ForbiddenTarget` for a prefill target nobody allowed."""
@@ -114,7 +117,7 @@ class Scheduler:
             target = self._target(named[0], self._prefill_members)
             if target is None:
                 self._stats.forged_target("prefill")
-                logger.warning("refused a request whose prefill target %r is not allowed", named[0][:100])
+                self._warn("refused a request whose prefill target %r is not allowed", named[0])
                 raise ForbiddenTarget(
                     f"prefill target {named[0][:100]!r} is not a prefill server this server may call",
                     param=PREFILLER_HEADER.decode(),
@@ -125,12 +128,23 @@ class Scheduler:
             target = self._target(entry, self._encoder_members)
             if target is None:
                 self._stats.forged_target("encoder")
-                logger.warning("dropped encoder %r named by the scheduler header: not allowed", entry[:100])
+                self._warn("dropped encoder %r named by the scheduler header: not allowed", entry)
             elif target not in encoders:
                 encoders.append(target)
         if prefill is None and not encoders:
             return NO_ROUTE
         return Route(tuple(encoders), prefill)
+
+    def _warn(self, message: str, entry: str) -> None:
+        """One WARNING a second at most: forged headers are a client's to send as fast as it likes, and
+        the counters (epd_scheduler_forged_targets_total) have every one."""
+        now = time.monotonic()
+        if now - self._warned_at < 1.0:
+            self._unwarned += 1
+            return
+        suffix = f" ({self._unwarned} more since the last such line)" if self._unwarned else ""
+        logger.warning(message + "%s", entry[:100], suffix)
+        self._warned_at, self._unwarned = now, 0
 
     def _target(self, entry: str, members: Callable[[], frozenset[tuple[str, int]]]) -> str | None:
         parsed = split_host_port(entry)

@@ -1,10 +1,11 @@
 """A fake vLLM encoder on a real loopback socket, in its own process, that can misbehave at the socket
 level: refuse connections, answer 500, hang, answer garbage, or drop the connection mid-response.
 
-    python -m tests.load.fake_encoder_server PORT [--faults PHASE_SECONDS]
+    python -m tests.load.fake_encoder_server PORT [--faults PHASE_SECONDS] [--host ADDRESS]
 
 With --faults it cycles through every fault in turn, PHASE_SECONDS each, and never answers correctly.
-Only the standard library, so the misbehaviour is exactly what is written here.
+``GET /stats`` answers what it served (requests, items). Only the standard library, so the misbehaviour
+is exactly what is written here.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def response(status: int, payload: bytes) -> bytes:
 
 
 class Encoder:
-    def __init__(self, port: int, phase: float | None) -> None:
+    def __init__(self, port: int, phase: float | None, host: str = "127.0.0.1") -> None:
         self.port = port
+        self.host = host
         self.phase = phase
+        self.served = {"requests": 0, "items": 0}
         self.started = time.monotonic()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
@@ -79,9 +82,16 @@ class Encoder:
                     writer.write(response(200, b"") if self.mode() == "ok" else response(500, b"{}"))
                     await writer.drain()
                     continue
+                if path == "/stats":
+                    writer.write(response(200, json.dumps(self.served).encode()))
+                    await writer.drain()
+                    continue
                 mode = self.mode()
                 if mode == "ok":
-                    writer.write(response(200, reply(json.loads(body), request_id)))
+                    request = json.loads(body)
+                    self.served["requests"] += 1
+                    self.served["items"] += len(request["messages"][0]["content"])
+                    writer.write(response(200, reply(request, request_id)))
                 elif mode == "500":
                     writer.write(response(500, b'{"error": {"message": "boom", "code": 500}}'))
                 elif mode == "hang":
@@ -104,7 +114,7 @@ class Encoder:
     async def run(self) -> None:
         listening = True
         self.server = await asyncio.start_server(
-            self.serve_connection, "127.0.0.1", self.port, reuse_address=True
+            self.serve_connection, self.host, self.port, reuse_address=True
         )
         print("ready", flush=True)
         while True:
@@ -117,12 +127,13 @@ class Encoder:
                 listening = False
             elif not refusing and not listening:
                 self.server = await asyncio.start_server(
-                    self.serve_connection, "127.0.0.1", self.port, reuse_address=True
+                    self.serve_connection, self.host, self.port, reuse_address=True
                 )
                 listening = True
 
 
 if __name__ == "__main__":
     port = int(sys.argv[1])
-    phase = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[2] == "--faults" else None
-    asyncio.run(Encoder(port, phase).run())
+    options = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+    phase = float(options["--faults"]) if "--faults" in options else None
+    asyncio.run(Encoder(port, phase, options.get("--host", "127.0.0.1")).run())
