@@ -134,6 +134,6 @@ class Encoder:
 
 if __name__ == "__main__":
     port = int(sys.argv[1])
-    options = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+    options = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     phase = float(options["--faults"]) if "--faults" in options else None
     asyncio.run(Encoder(port, phase, options.get("--host", "127.0.0.1")).run())
