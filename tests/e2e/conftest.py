@@ -33,6 +33,9 @@ class Deployment:
     control: lab.VLLMServer
     pd_multi: lab.VLLMServer  # plugin, --api-server-count 2: one middleware per API-server process
     pd_decode: lab.VLLMServer  # plugin with EPD_PREFILL=control, kv_consumer: E -> P -> D
+    # plugin with EPD_SCHEDULER=llm-d and no pools: llm-d's headers name encoder-1 and control, which
+    # the allowlist admits (exact host and port); kv_consumer
+    pd_llmd: lab.VLLMServer
     report: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -45,6 +48,7 @@ class Deployment:
             self.control,
             self.pd_multi,
             self.pd_decode,
+            self.pd_llmd,
         ]
 
     def stored_hashes(self) -> set[str]:
@@ -111,6 +115,20 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             via="plugin",
             name="pd-decode",
             extra_env={"EPD_PREFILL": control.url},
+            kv=("kv_consumer", kv_storage),
+        ),
+        pd_llmd=lab.pd_server(
+            python,
+            model,
+            logs,
+            storage,
+            [],
+            via="plugin",
+            name="pd-llmd",
+            extra_env={
+                "EPD_SCHEDULER": "llm-d",
+                "EPD_SCHEDULER_ALLOW": f"127.0.0.1:{encoders[1].port},127.0.0.1:{control.port}",
+            },
             kv=("kv_consumer", kv_storage),
         ),
     )

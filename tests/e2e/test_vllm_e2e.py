@@ -466,6 +466,66 @@ def test_openai_responses_through_remote_prefill(deployment: Deployment) -> None
     assert log_count(deployment.pd_decode, KV_HIT) == hits + 1
 
 
+def llmd_headers(deployment: Deployment, *, encoder: int | None, prefill: bool) -> dict[str, str]:
+    """The headers llm-d's endpoint picker sets: ip:port of the chosen encode and prefill pods."""
+    headers = {}
+    if encoder is not None:
+        headers["x-encoder-hosts-ports"] = f"127.0.0.1:{deployment.encoders[encoder].port}"
+    if prefill:
+        headers["x-prefiller-host-port"] = f"127.0.0.1:{deployment.control.port}"
+    return headers
+
+
+@pytest.mark.parametrize("options", [None, NON_DEFAULT_OPTIONS], ids=["default", "non-default"])
+def test_llm_d_headers_route_encode_and_prefill_and_equal_the_single_instance(
+    deployment: Deployment, options: dict[str, Any] | None
+) -> None:
+    """A server in llm-d scheduler mode with no pools at all: the headers the endpoint picker would set
+    name encoder-1 and the prefill server (control); the media is encoded there, the request prefilled
+    there, and D decodes from P's KV cache."""
+    body = seed_request(MODEL, images=[image(shift=95 if options is None else 105)], options=options)
+    baseline = chat(deployment.single, body)
+    before = [served_requests(server) for server in deployment.encoders]
+    prefills, hits = served_requests(deployment.control), log_count(deployment.pd_llmd, KV_HIT)
+    response = chat(deployment.pd_llmd, body, llmd_headers(deployment, encoder=1, prefill=True))
+    record(f"llm-d headers E + P + D, {'non-default' if options else 'default'}", response, baseline)
+    assert_same(response, baseline)
+    assert [served_requests(server) for server in deployment.encoders] == [before[0], before[1] + 1]
+    assert served_requests(deployment.control) == prefills + 1
+    assert log_count(deployment.pd_llmd, KV_HIT) == hits + 1
+
+    # E / PD: only the encoder header, so this server prefills itself.
+    body = seed_request(MODEL, images=[image(shift=115 if options is None else 125)], options=options)
+    baseline = chat(deployment.single, body)
+    prefills = served_requests(deployment.control)
+    response = chat(deployment.pd_llmd, body, llmd_headers(deployment, encoder=1, prefill=False))
+    record(f"llm-d headers E + PD, {'non-default' if options else 'default'}", response, baseline)
+    assert_same(response, baseline)
+    assert served_requests(deployment.encoders[1]) == before[1] + 2
+    assert served_requests(deployment.control) == prefills
+
+
+def test_llm_d_forged_targets(deployment: Deployment) -> None:
+    """A prefill target outside the allowlist gets 403 and nothing is called; an encoder outside it is
+    dropped and the server encodes the image itself, equal to the single instance."""
+    body = seed_request(MODEL, images=[image(shift=135)])
+    served = [served_requests(server) for server in (*deployment.encoders, deployment.control)]
+    single = served_requests(deployment.single)
+    forged = {"x-prefiller-host-port": f"127.0.0.1:{deployment.single.port}"}
+    response = chat(deployment.pd_llmd, body, {**llmd_headers(deployment, encoder=1, prefill=False), **forged})
+    record("llm-d forged prefiller", response)
+    assert response.status_code == 403, response.text
+    assert response.json()["error"]["type"] == "ForbiddenError"
+    assert [served_requests(server) for server in (*deployment.encoders, deployment.control)] == served
+    assert served_requests(deployment.single) == single
+
+    baseline = chat(deployment.single, body)
+    response = chat(deployment.pd_llmd, body, llmd_headers(deployment, encoder=0, prefill=False))
+    record("llm-d forged encoder (local encode)", response, baseline)
+    assert_same(response, baseline)
+    assert [served_requests(server) for server in (*deployment.encoders, deployment.control)] == served
+
+
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
     """What the middleware prevents: the encoder ran without the options, PD runs with them."""
     url = image(shift=150)
