@@ -136,7 +136,7 @@ class Rig:
         port = free_port()
         module = "tests.load.fake_encoder_server" if args[0] == "encoder" else "benchmarks.servers"
         argv = (
-            [sys.executable, "-m", module, str(port)]
+            [sys.executable, "-m", module, str(port), *args[1:]]
             if args[0] == "encoder"
             else [sys.executable, "-m", module, args[0], str(port), *args[1:]]
         )

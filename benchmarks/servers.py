@@ -19,6 +19,8 @@ All run under uvicorn with uvloop and httptools, as vLLM does.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import sys
 from typing import Any
 
@@ -125,6 +127,8 @@ def relay(encoder_url: str) -> Any:
 def main() -> None:
     role, port = sys.argv[1], int(sys.argv[2])
     options = {"health_check_interval": 0, "max_body_bytes": 256 * 1024 * 1024, "max_media_items": 256}
+    # More middleware options for one run (benchmarks.multiturn: the storage to check, reuse on or off).
+    options.update(json.loads(os.environ.get("EPD_BENCH_OPTIONS", "{}")))
     if role == "engine":
         app: Any = engine
     elif role == "engine+epd":

@@ -219,6 +219,22 @@ class EPDConfig(BaseModel):
         ge=1,
         description="Most images sent to one encoder in one call.",
     )
+    reuse_handles: bool = Field(
+        default=True,
+        description=(
+            "Take media encoded for an earlier request from a cache of what the encoder reported, "
+            "instead of sending it to an encoder again, where the embedding's presence can be checked "
+            "(ECExampleConnector with check_embeddings); elsewhere reuse stays off and /epd/status says "
+            "why."
+        ),
+    )
+    reuse_cache_size: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Most encoded items remembered for reuse, per API-server process (least recently used go)."
+        ),
+    )
     encoder_selection: Literal["affinity", "round_robin"] = Field(
         default="affinity",
         description=(
@@ -450,6 +466,8 @@ class EPDOptions(TypedDict, total=False):
     max_body_bytes: int
     max_media_items: int
     max_batch_size: int
+    reuse_handles: bool
+    reuse_cache_size: int
     encoder_selection: Literal["affinity", "round_robin"]
     rewrite: bool
     trust_client_uuid: bool

@@ -9,7 +9,6 @@ request.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
 from .handles import Handle, ItemKey, match_reply
 from .plan import EncoderCall
 from .pool import Attempt, ServerPool
-from .protocol import CHAT_COMPLETIONS_PATH, EC_TRANSFER_PARAMS, EXAMPLE_CONNECTOR_FILE
+from .protocol import CHAT_COMPLETIONS_PATH, EC_TRANSFER_PARAMS, embedding_stored, example_connector_file
 from .transport import Body, Transport
 
 __all__ = ["EncodeOutcome", "EncoderRequest", "encode"]
@@ -130,7 +129,7 @@ def _check_stored(encoder: str, handles: Mapping[ItemKey, Handle], storage: str)
     """
     for handle in handles.values():
         mm_hash = handle.mm_hash
-        if not mm_hash or "/" in mm_hash or "\\" in mm_hash or mm_hash in (".", ".."):
+        if example_connector_file(storage, mm_hash) is None:
             raise UpstreamBadReply(encoder, f"reported hash {mm_hash!r} is not a valid file name")
-        if not os.path.exists(os.path.join(storage, mm_hash, EXAMPLE_CONNECTOR_FILE)):
+        if not embedding_stored(storage, mm_hash):
             raise UpstreamBadReply(encoder, f"the embedding of {mm_hash!r} is not in the shared storage")

@@ -45,6 +45,10 @@ class _Prometheus:
             "Intercepted requests by outcome (encoded, passed_through, fallback, error_*).",
             ["outcome"],
         )
+        self.reused_items = prom.Counter(
+            "epd_reused_items",
+            "Media items taken from the reuse cache instead of being sent to an encoder again.",
+        )
         self.fallback_items = prom.Counter(
             "epd_fallback_items", "Media items left to the local engine to encode."
         )
@@ -161,6 +165,11 @@ class Stats:
         if self._prom is not None:
             self._prom.request_media_items.observe(items)
             self._prom.request_encoder_calls.observe(calls)
+
+    def reused(self, items: int) -> None:
+        self.counters["reused_items"] += items
+        if self._prom is not None:
+            self._prom.reused_items.inc(items)
 
     def fallback(self, items: int) -> None:
         self.counters["fallback_items"] += items

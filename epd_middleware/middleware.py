@@ -11,6 +11,7 @@ import itertools
 import os
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -152,9 +153,30 @@ class EPDMiddleware:
                     "pending_requests": pipeline.pending,
                     "counters": dict(pipeline.counters),
                     "embedding_storage_checked": self._server.storage(scope),
+                    "handle_reuse": self._reuse_status(scope),
                     "config": config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
                 },
             )
+
+    def _reuse_status(self, scope: Scope) -> dict[str, Any]:
+        """Whether media is reused (the answer for a request on this server without a pinned Mooncake
+        rank), why not when it is not, and the cache's figures."""
+        server = self._server
+        context = RequestContext(
+            client=self._clients.open(),
+            request_id="",
+            storage=server.storage(scope),
+            push_to="(push)" if server.pushes(scope) else None,
+        )
+        blocker = self._pipeline.reuse_blocker(context)
+        cache = self._pipeline.reuse
+        return {
+            "enabled": blocker is None,
+            "why_not": blocker,
+            "entries": len(cache),
+            "hits": cache.hits,
+            "stale_dropped": cache.stale,
+        }
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Open the owned client and start health probes at start-up; stop and close at shutdown."""
@@ -255,6 +277,20 @@ class _ServerFacts:
                 logger.info("epd: checking embeddings under %s before referencing them", self._storage)
         return self._storage if isinstance(self._storage, str) else None
 
+    def pushes(self, scope: Scope) -> bool:
+        """Encoders push this server's embeddings (Mooncake)."""
+        return self._config.ec_consumer_zmq is not None or self._mooncake(scope) is not None
+
+    def _mooncake(self, scope: Scope) -> MooncakeConsumers | None:
+        if self._consumers is _UNRESOLVED:
+            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            if vllm_config is None:
+                return None  # not known yet (or not inside vLLM): look again next time
+            self._consumers = mooncake_consumers(vllm_config)
+            if isinstance(self._consumers, MooncakeConsumers):
+                logger.info("epd: encoders push embeddings to %s", self._consumers.by_rank)
+        return self._consumers if isinstance(self._consumers, MooncakeConsumers) else None
+
     def kv_consumer(self, scope: Scope) -> bool:
         """Whether this server can take a KV cache another server prefilled (``kv_consumer`` or
         ``kv_both``); True outside vLLM, where nothing says otherwise."""
@@ -282,15 +318,8 @@ class _ServerFacts:
         """
         if self._config.ec_consumer_zmq is not None:
             return self._config.ec_consumer_zmq, None
-        if self._consumers is _UNRESOLVED:
-            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
-            if vllm_config is None:
-                return None, None  # not known yet (or not inside vLLM): look again next time
-            self._consumers = mooncake_consumers(vllm_config)
-            if isinstance(self._consumers, MooncakeConsumers):
-                logger.info("epd: encoders push embeddings to %s", self._consumers.by_rank)
-        consumers = self._consumers
-        if not isinstance(consumers, MooncakeConsumers):
+        consumers = self._mooncake(scope)
+        if consumers is None:
             return None, None
         ranks = list(consumers.by_rank)
         for name, value in scope["headers"]:
@@ -382,7 +411,7 @@ class _Exchange:
             try:
                 # The client leaving now cancels this (and the encoder or prefill calls in it).
                 client.preparing = True
-                new_body = await self._prepare(request, request_id, push_to)
+                new_body = await self._prepare(request, request_id, push_to, fresh=attempt > 0)
             except EPDError as exc:
                 middleware._pipeline.stats.request(f"error_{exc.status}")
                 await self._send_error(exc)
@@ -447,7 +476,9 @@ class _Exchange:
                 return str(value.decode("latin-1"))
         return None
 
-    async def _prepare(self, request: ParsedRequest, request_id: str, push_to: str | None) -> bytes | None:
+    async def _prepare(
+        self, request: ParsedRequest, request_id: str, push_to: str | None, *, fresh: bool
+    ) -> bytes | None:
         middleware = self.middleware
         context = RequestContext(
             client=middleware._clients.open(),
@@ -456,6 +487,7 @@ class _Exchange:
             authorization=self._authorization(),
             push_to=push_to,
             route=self.route,
+            fresh=fresh,
         )
         return await middleware._pipeline.prepare(self.surface, request, context)
 

@@ -25,13 +25,14 @@ from .config import EPDConfig
 from .discovery import Discovery
 from .encoders import EncoderRequest, encode
 from .errors import NoHealthyUpstream, Overloaded, TooManyMediaItems, UpstreamError
-from .handles import part_metadata, push_items, transfer_params
+from .handles import Handle, ItemKey, part_metadata, push_items, transfer_params
 from .logs import logger
 from .metrics import Stats
 from .plan import EncoderCall, MediaItem, media_items, plan_calls
 from .pool import ServerPool
 from .prefill import decode_fields, prefill
 from .protocol import EC_CONSUMER_ZMQ, EC_ITEM_TRANSFER_ID, EC_ITEMS, REQUEST_ID_HEADER
+from .reuse import HandleCache, ReuseKey, request_key
 from .scheduler import NO_ROUTE, Route, Scheduler
 from .surfaces import ParsedRequest, Surface, Unusable, encode_fields
 from .transport import Transport
@@ -56,6 +57,8 @@ class RequestContext:
     push_to: str | None = None
     # The encoders and prefill server a scheduler chose for this request (empty: the pools decide).
     route: Route = NO_ROUTE
+    # Encode every item again, reusing nothing (an engine retry: what it was given did not work).
+    fresh: bool = False
 
 
 @dataclass
@@ -68,12 +71,14 @@ class Pipeline:
     prefill: ServerPool = field(init=False)
     discoveries: tuple[Discovery, Discovery] = field(init=False)
     scheduler: Scheduler | None = field(init=False, default=None)
+    reuse: HandleCache = field(init=False)
     pending: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         config = self.config
         self.encoders = ServerPool("encoder", config, config.encoder_timeout, self.stats)
         self.prefill = ServerPool("prefill", config, config.prefill_timeout, self.stats)
+        self.reuse = HandleCache(config.reuse_cache_size)
         self.discoveries = (
             self._discovery(self.encoders, config.encoders),
             self._discovery(self.prefill, config.prefill),
@@ -176,7 +181,8 @@ class Pipeline:
     async def _encode(
         self, surface: Surface, request: ParsedRequest, context: RequestContext, notes: list[str]
     ) -> dict[str, Any]:
-        """Encode the request's media on the encoders; the engine request with the handles."""
+        """Encode the request's media on the encoders (what is not reused); the engine request with the
+        handles."""
         config, pool = self.config, self.encoders
         items, uuids = media_items(
             request.media,
@@ -184,12 +190,23 @@ class Pipeline:
             salt=request.cache_salt,
             encoder_part=surface.encoder_part,
         )
+        reuse_keys: dict[ItemKey, ReuseKey] = {}
+        reused: dict[ItemKey, Handle] = {}
+        if self.reuse_blocker(context) is None:
+            assert context.storage is not None
+            common = request_key(request.fields)
+            reuse_keys = {(item.modality, item.uuid): (item.modality, item.uuid, common) for item in items}
+            if context.fresh:  # the engine could not use what it was given: nothing of it again
+                self.reuse.forget(reuse_keys.values())
+            else:
+                reused = self.reuse.take(reuse_keys, context.storage)
+        to_encode = tuple(item for item in items if (item.modality, item.uuid) not in reused)
         local = config.on_encoder_failure == "local"
-        choices, source = self._choose(items, context.route)
-        if not choices and not local:
+        choices, source = self._choose(to_encode, context.route) if to_encode else ([], "reuse")
+        if to_encode and not choices and not local:
             raise NoHealthyUpstream("every encoder is failing its calls; retry later", config.retry_after)
-        self.stats.encoder_source(source if choices else "local")
-        calls = plan_calls(items, choices, config.max_batch_size) if choices else ()
+        self.stats.encoder_source(source if choices or not to_encode else "local")
+        calls = plan_calls(to_encode, choices, config.max_batch_size) if choices else ()
         started = time.perf_counter()
         outcome = await encode(
             pool,
@@ -203,10 +220,12 @@ class Pipeline:
         )
         encoded = time.perf_counter()
         self.stats.stage("encode", encoded - started)
+        if reuse_keys:
+            self.reuse.put(reuse_keys, outcome.handles)
         fallen = 0
-        if outcome.failed or not calls:
+        if outcome.failed or (to_encode and not calls):
             # Only under the 'local' policy: those items go to the engine as the media the client sent.
-            fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(items)
+            fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(to_encode)
             reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
             self.stats.fallback(fallen)
             logger.warning(
@@ -216,29 +235,47 @@ class Pipeline:
                 reason,
             )
 
+        handles = {**reused, **outcome.handles}
         keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
         metadata = part_metadata(
             keys,
-            outcome.handles,
+            handles,
             rewrite=config.rewrite and surface.rewrites,
             keep_raw=request.referenced_modalities,
         )
-        ec_params = transfer_params(outcome.handles)
+        ec_params = transfer_params(handles)
         if context.push_to is not None:
-            ec_params[EC_ITEMS] = push_items(keys, outcome.handles)
+            ec_params[EC_ITEMS] = push_items(keys, handles)
         fields = surface.engine_fields(request, uuids, metadata, ec_params)
         rewritten = time.perf_counter()
         self.stats.stage("rewrite", rewritten - encoded)
+        if reused:
+            self.stats.reused(len(reused))
         if not fallen:
             self.stats.encoded(len(items), len(calls))
         if logger.isEnabledFor(logging.INFO):
             used = ", ".join(sorted({call.encoder for call in calls})) or "none"
             notes.append(
-                f"{len(items)} media item(s), {len(calls)} encoder call(s) to {used}; "
-                f"encode {(encoded - started) * 1000:.1f} ms, rewrite {(rewritten - encoded) * 1000:.2f} ms"
+                f"{len(items)} media item(s), {len(calls)} encoder call(s) to {used}"
+                + (f", {len(reused)} reused" if reused else "")
+                + f"; encode {(encoded - started) * 1000:.1f} ms"
+                + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
                 + (f"; {fallen} left to the local engine" if fallen else "")
             )
         return fields
+
+    def reuse_blocker(self, context: RequestContext) -> str | None:
+        """Why this request's media may not be taken from the reuse cache, or None when it may."""
+        if not self.config.reuse_handles:
+            return "off (reuse_handles=false)"
+        if context.push_to is not None:
+            return "off: Mooncake push (a pushed embedding cannot be checked before it is referenced)"
+        if context.storage is None:
+            return (
+                "off: no embedding storage to check (only ECExampleConnector with check_embeddings "
+                "lets the middleware confirm an embedding is still there)"
+            )
+        return None
 
     def _choose(self, items: tuple[MediaItem, ...], route: Route) -> tuple[list[tuple[str, ...]], str]:
         """An encoder ranking per item, and who chose it (``scheduler`` or ``pool``); no rankings when no

@@ -12,6 +12,7 @@ surface's adapter in :mod:`epd_middleware.surfaces`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -131,6 +132,21 @@ def foreign_answer_id(path: str, request_id: str, reply: dict[str, Any]) -> str 
 
 # ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>.
 EXAMPLE_CONNECTOR_FILE: Final = "encoder_cache.safetensors"
+
+
+def example_connector_file(storage: str, mm_hash: str) -> str | None:
+    """Where ECExampleConnector keeps the embedding of ``mm_hash`` under ``storage``; None when the hash
+    is not a plain file name (it would point elsewhere)."""
+    if not mm_hash or "/" in mm_hash or "\\" in mm_hash or mm_hash in (".", "..") or "\0" in mm_hash:
+        return None
+    return os.path.join(storage, mm_hash, EXAMPLE_CONNECTOR_FILE)
+
+
+def embedding_stored(storage: str, mm_hash: str) -> bool:
+    """The embedding of ``mm_hash`` is where the local ECExampleConnector will look: a ``stat`` on the
+    connector's (local or shared) file system."""
+    path = example_connector_file(storage, mm_hash)
+    return path is not None and os.path.exists(path)
 
 
 def example_connector_storage(vllm_config: object) -> str | None:

@@ -4,6 +4,7 @@ single-instance deployment of the same tiny model (greedy decoding, so outputs m
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from typing import Any
 
@@ -12,7 +13,8 @@ import pytest
 
 from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, PROMPT, seed_image, seed_request
-from epd_middleware.plan import content_uuid
+from epd_middleware import selection
+from epd_middleware.plan import MediaItem, content_uuid, plan_calls
 
 from .conftest import API_KEY, Deployment
 
@@ -180,7 +182,16 @@ def test_responses_style_input_image_part_equals_the_single_instance(deployment:
     assert len(deployment.stored_hashes() - before) == 1  # encoded remotely
 
 
-def test_several_images_in_one_request_spread_over_two_encoders(deployment: Deployment) -> None:
+def affinity_calls(deployment: Deployment, urls: list[str]) -> list[int]:
+    """Encoder calls per encoder that content affinity plans for these images (no options, idle)."""
+    items = [MediaItem(content_uuid("image", (url,)), "image", {}) for url in urls]
+    encoders = [server.url for server in deployment.encoders]
+    rankings = selection.affinity(items, encoders, {}, max_inflight=64, max_batch_size=8)
+    calls = plan_calls(items, rankings, 8)
+    return [sum(call.encoder == url for call in calls) for url in encoders]
+
+
+def test_several_images_in_one_request_go_where_affinity_sends_them(deployment: Deployment) -> None:
     urls = [image(shift=20), image(shift=40), image(shift=60)]
     before = deployment.stored_hashes()
     calls_before = [served_requests(server) for server in deployment.encoders]
@@ -193,7 +204,8 @@ def test_several_images_in_one_request_spread_over_two_encoders(deployment: Depl
     new = deployment.stored_hashes() - before
     assert new == {content_uuid("image", (url,)) for url in urls}
     calls_after = [served_requests(server) for server in deployment.encoders]
-    assert all(after > before for after, before in zip(calls_after, calls_before, strict=True))
+    made = [after - before for after, before in zip(calls_after, calls_before, strict=True)]
+    assert made == affinity_calls(deployment, urls)  # each image on its rendezvous encoder, batched
 
 
 def test_the_same_image_in_two_requests_reuses_the_cache(deployment: Deployment) -> None:
@@ -272,6 +284,71 @@ def test_two_api_server_processes_each_run_their_own_middleware(deployment: Depl
         assert sum(seen.values()) == before + 4
     else:
         assert sum(seen.values()) <= before + 4
+
+
+def test_affinity_sends_an_image_to_one_encoder_from_two_api_server_processes(deployment: Deployment) -> None:
+    """The same image, sent again and again to a PD with two API-server processes (each with its own
+    middleware, its own reuse cache): every encoder call for it lands on the one encoder affinity ranks
+    first, and each process encodes it at most once."""
+    url = image(shift=471)
+    [expected] = [index for index, calls in enumerate(affinity_calls(deployment, [url])) if calls]
+    before = [served_requests(server) for server in deployment.encoders]
+    body = seed_request(MODEL, images=[url])
+    baseline = chat(deployment.single, body)
+    for _ in range(8):  # a new connection each time: the kernel spreads them over both processes
+        assert_same(chat(deployment.pd_multi, body), baseline)
+    made = [
+        served_requests(server) - count for server, count in zip(deployment.encoders, before, strict=True)
+    ]
+    assert 1 <= made[expected] <= 2, made
+    assert made[1 - expected] == 0, made
+    REPORT.append(
+        {"case": "affinity, 8 x same image, 2 API servers", "status": 200, "output": f"calls {made}"}
+    )
+
+
+def test_multi_turn_chat_sends_each_new_image_to_an_encoder_once(deployment: Deployment) -> None:
+    """Four turns, one new image each, non-default options, every turn resending the whole chat: each
+    turn equals the single instance and the encoders get exactly one image per turn. Then the first
+    image's stored embedding is deleted and the last turn sent again: that image is encoded again (and
+    only it), still equal."""
+    urls = [image(shift=shift) for shift in (301, 307, 313, 319)]
+    messages: list[dict[str, Any]] = []
+    stored: list[set[str]] = []
+    body: dict[str, Any] = {}
+    for turn, url in enumerate(urls, start=1):
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": PROMPT},
+                ],
+            }
+        )
+        body = {"model": MODEL, "messages": list(messages), "temperature": 0, "seed": 42, "max_tokens": 8}
+        body.update(NON_DEFAULT_OPTIONS)
+        baseline = chat(deployment.single, body)
+        before, hashes = (
+            sum(served_requests(server) for server in deployment.encoders),
+            deployment.stored_hashes(),
+        )
+        response = chat(deployment.pd, body, AUTH)
+        record(f"multi-turn, turn {turn} ({turn} images)", response, baseline)
+        assert_same(response, baseline)
+        assert sum(served_requests(server) for server in deployment.encoders) == before + 1
+        stored.append(deployment.stored_hashes() - hashes)
+        assert len(stored[-1]) == 1  # this turn's image, under the hash derived from the options
+        messages.append({"role": "assistant", "content": baseline.json()["choices"][0]["message"]["content"]})
+    [first] = stored[0]
+    shutil.rmtree(deployment.storage / first)
+    baseline = chat(deployment.single, body)
+    before = sum(served_requests(server) for server in deployment.encoders)
+    response = chat(deployment.pd, body, AUTH)
+    record("multi-turn, turn 4 again, turn 1 evicted", response, baseline)
+    assert_same(response, baseline)
+    assert sum(served_requests(server) for server in deployment.encoders) == before + 1
+    assert first in deployment.stored_hashes()
 
 
 def _encoded_total(server: lab.VLLMServer) -> float:
@@ -512,7 +589,9 @@ def test_llm_d_forged_targets(deployment: Deployment) -> None:
     served = [served_requests(server) for server in (*deployment.encoders, deployment.control)]
     single = served_requests(deployment.single)
     forged = {"x-prefiller-host-port": f"127.0.0.1:{deployment.single.port}"}
-    response = chat(deployment.pd_llmd, body, {**llmd_headers(deployment, encoder=1, prefill=False), **forged})
+    response = chat(
+        deployment.pd_llmd, body, {**llmd_headers(deployment, encoder=1, prefill=False), **forged}
+    )
     record("llm-d forged prefiller", response)
     assert response.status_code == 403, response.text
     assert response.json()["error"]["type"] == "ForbiddenError"

@@ -1,11 +1,12 @@
 """A fake vLLM encoder on a real loopback socket, in its own process, that can misbehave at the socket
 level: refuse connections, answer 500, hang, answer garbage, or drop the connection mid-response.
 
-    python -m tests.load.fake_encoder_server PORT [--faults PHASE_SECONDS] [--host ADDRESS]
+    python -m tests.load.fake_encoder_server PORT [--faults PHASE_SECONDS] [--host ADDRESS] [--storage DIR]
 
 With --faults it cycles through every fault in turn, PHASE_SECONDS each, and never answers correctly.
-``GET /stats`` answers what it served (requests, items). Only the standard library, so the misbehaviour
-is exactly what is written here.
+With --storage it writes each embedding it reports where ECExampleConnector would
+(DIR/<hash>/encoder_cache.safetensors). ``GET /stats`` answers what it served (requests, items, body
+bytes). Only the standard library, so the misbehaviour is exactly what is written here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -49,14 +51,24 @@ def response(status: int, payload: bytes) -> bytes:
 
 
 class Encoder:
-    def __init__(self, port: int, phase: float | None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, port: int, phase: float | None, host: str = "127.0.0.1", storage: str | None = None
+    ) -> None:
         self.port = port
         self.host = host
         self.phase = phase
-        self.served = {"requests": 0, "items": 0}
+        self.storage = storage
+        self.served = {"requests": 0, "items": 0, "bytes": 0}
         self.started = time.monotonic()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
+
+    def store(self, entries: dict) -> None:
+        """As ECExampleConnector: the file exists when the answer goes out (a few microseconds)."""
+        for mm_hash in entries:
+            os.makedirs(os.path.join(self.storage or "", mm_hash), exist_ok=True)
+            with open(os.path.join(self.storage or "", mm_hash, "encoder_cache.safetensors"), "wb"):
+                pass
 
     def mode(self) -> str:
         if self.phase is None:
@@ -91,7 +103,11 @@ class Encoder:
                     request = json.loads(body)
                     self.served["requests"] += 1
                     self.served["items"] += len(request["messages"][0]["content"])
-                    writer.write(response(200, reply(request, request_id)))
+                    self.served["bytes"] += len(body)
+                    answer = reply(request, request_id)
+                    if self.storage is not None:
+                        self.store(json.loads(answer)["ec_transfer_params"])
+                    writer.write(response(200, answer))
                 elif mode == "500":
                     writer.write(response(500, b'{"error": {"message": "boom", "code": 500}}'))
                 elif mode == "hang":
@@ -136,4 +152,4 @@ if __name__ == "__main__":
     port = int(sys.argv[1])
     options = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     phase = float(options["--faults"]) if "--faults" in options else None
-    asyncio.run(Encoder(port, phase, options.get("--host", "127.0.0.1")).run())
+    asyncio.run(Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage")).run())

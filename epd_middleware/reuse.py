@@ -1,0 +1,89 @@
+"""Handle reuse: media already encoded is not sent to an encoder again.
+
+Multi-turn chats resend every image of the conversation on every turn. What an encoder reported for an
+item (its hash, metadata and connector entry) is kept in a bounded LRU cache under everything that can
+change the embedding: the item's modality and uuid (the content uuid, salted by ``cache_salt``, or a
+trusted client uuid), and the request's ``model``, ``mm_processor_kwargs``, ``media_io_kwargs`` and
+``cache_salt``, in canonical form (key order does not matter). Before the encoder calls are planned,
+each item whose key is cached *and* whose embedding is confirmed present in the connector's storage is
+taken from the cache; the engine request is built from reused and fresh handles exactly as if all had
+been encoded in this request.
+
+Only where presence can be confirmed: with ECExampleConnector (a ``stat`` of the embedding's file, the
+check every encoded item gets too). Where it cannot (Mooncake push, NIXL, other connectors), reuse is
+off: a reference to an embedding that is not there kills vLLM's engine core. A cached entry whose
+embedding has gone is dropped and the item encoded again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .handles import Handle, ItemKey
+from .protocol import CACHE_SALT, MODEL, embedding_stored
+
+__all__ = ["HandleCache", "ReuseKey", "request_key"]
+
+# (modality, uuid, the request's canonical embedding-relevant fields)
+ReuseKey = tuple[str, str, bytes]
+
+_EMBEDDING_FIELDS = (MODEL, "mm_processor_kwargs", "media_io_kwargs", CACHE_SALT)
+_canonical = msgspec.json.Encoder(order="sorted").encode
+
+
+def request_key(fields: Mapping[str, Any]) -> bytes:
+    """The part of every item's key that comes from the request: canonical JSON of the fields that can
+    change an embedding (absent and null are the same)."""
+    return _canonical([fields.get(name) for name in _EMBEDDING_FIELDS])
+
+
+@dataclass
+class HandleCache:
+    """What encoders reported, by reuse key, least recently used first. One per API-server process."""
+
+    size: int
+    hits: int = 0
+    stale: int = 0
+    _entries: OrderedDict[ReuseKey, Handle] = field(default_factory=OrderedDict)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, keys: Mapping[ItemKey, ReuseKey], storage: str) -> dict[ItemKey, Handle]:
+        """The handles of the items whose key is cached and whose embedding is in ``storage``; a cached
+        entry whose embedding has gone is forgotten."""
+        reused: dict[ItemKey, Handle] = {}
+        entries = self._entries
+        for item, key in keys.items():
+            handle = entries.get(key)
+            if handle is None:
+                continue
+            if embedding_stored(storage, handle.mm_hash):
+                entries.move_to_end(key)
+                reused[item] = handle
+            else:
+                del entries[key]
+                self.stale += 1
+        self.hits += len(reused)
+        return reused
+
+    def put(self, keys: Mapping[ItemKey, ReuseKey], handles: Mapping[ItemKey, Handle]) -> None:
+        """Remember what the encoders reported for these items."""
+        entries = self._entries
+        for item, handle in handles.items():
+            key = keys.get(item)
+            if key is None:
+                continue
+            entries[key] = handle
+            entries.move_to_end(key)
+        while len(entries) > self.size:
+            entries.popitem(last=False)
+
+    def forget(self, keys: Iterable[ReuseKey]) -> None:
+        for key in keys:
+            self._entries.pop(key, None)
