@@ -257,6 +257,30 @@ class EPDConfig(BaseModel):
             "a key every client shares, so one client could make another receive its embedding."
         ),
     )
+    check_models: bool = Field(
+        default=True,
+        description=(
+            "Use an encoder or prefill server only once GET /v1/models showed it serves this server's "
+            "model (inside vLLM: its served names and model path; else expected_model; else the model of "
+            "the first request the local engine answered with 200). Re-checked when a server comes back "
+            "from ejection, and every health_check_interval while it does not match."
+        ),
+    )
+    expected_model: str | None = Field(
+        default=None,
+        description=(
+            "The model name the encoders and prefill servers must serve, where the middleware does not "
+            "run inside vLLM (which says it itself)."
+        ),
+    )
+    strict_startup: bool = Field(
+        default=False,
+        description=(
+            "Fail the server's start-up when an encoder or prefill server answers that it serves "
+            "another model (servers that do not answer yet never fail it); without it such a server is "
+            "only left unused until it matches."
+        ),
+    )
     check_embeddings: bool = Field(
         default=True,
         description=(
@@ -471,6 +495,9 @@ class EPDOptions(TypedDict, total=False):
     encoder_selection: Literal["affinity", "round_robin"]
     rewrite: bool
     trust_client_uuid: bool
+    check_models: bool
+    expected_model: str | None
+    strict_startup: bool
     check_embeddings: bool
     ec_storage_path: str | None
     api_keys: Sequence[str]

@@ -108,6 +108,13 @@ class _PoolMetrics:
             [role],
             multiprocess_mode="livemin",
         )
+        self.model_ok = prom.Gauge(
+            f"epd_{role}_model_ok",
+            f"1 when the {role} server serves this server's model (GET /v1/models), 0 when it serves "
+            "another or did not answer: it is not used.",
+            [role],
+            multiprocess_mode="livemin",
+        )
         self.in_flight = prom.Gauge(
             f"epd_{role}_in_flight",
             f"{role.capitalize()} calls in flight.",
@@ -215,6 +222,10 @@ class Stats:
     def pool_size(self, role: str, members: int) -> None:
         if self._prom is not None:
             self._child(self._prom.pool_members, role).set(members)
+
+    def model_check(self, role: str, server: str, ok: bool) -> None:
+        if self._prom is not None:
+            self._child(self._prom.pools[role].model_ok, server).set(1 if ok else 0)
 
     def forget(self, role: str, server: str) -> None:
         """A server left the pool: its health series goes (a gauge would otherwise keep its last

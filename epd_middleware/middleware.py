@@ -21,6 +21,8 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
+from ._rawjson import text_of
+from .compat import Expectation, expectation_of_vllm
 from .config import EPDConfig, EPDOptions
 from .errors import BodyTooLarge, EPDError, Unauthorized
 from .llmd import SCHEDULER_HEADERS
@@ -28,6 +30,7 @@ from .logs import adopt_vllm_logging, logger
 from .pipeline import Pipeline, RequestContext
 from .protocol import (
     DATA_PARALLEL_RANK_HEADER,
+    MODEL,
     REQUEST_ID_HEADER,
     MooncakeConsumers,
     example_connector_storage,
@@ -158,6 +161,32 @@ class EPDMiddleware:
                 },
             )
 
+    async def _startup_checks(self, scope: Scope) -> str | None:
+        """Once the app started: ask every encoder and prefill server what it serves (DNS names looked
+        up first), log what does not match, and with ``strict_startup`` say why the start fails."""
+        config, pipeline = self.config, self._pipeline
+        expectation = self._server.expectation(scope)
+        if expectation is None:
+            return None
+        pipeline.expect(expectation)
+        for discovery in pipeline.discoveries:
+            await discovery.ready()
+        client, headers = self._clients.open(), pipeline.probe_headers()
+        for pool in (pipeline.encoders, pipeline.prefill):
+            await pool.check_models(client, pool.members, headers)
+        mismatched = [
+            f"{pool.role} {url} serves {served}"
+            for pool in (pipeline.encoders, pipeline.prefill)
+            for url, served in pool.mismatched()
+        ]
+        if config.strict_startup and mismatched:
+            return (
+                f"epd: this server serves {expectation.describe()}, but "
+                + "; ".join(mismatched)
+                + " (strict_startup: the start fails; without it they are only left unused)"
+            )
+        return None
+
     def _reuse_status(self, scope: Scope) -> dict[str, Any]:
         """Whether media is reused (the answer for a request on this server without a pinned Mooncake
         rank), why not when it is not, and the cache's figures."""
@@ -181,11 +210,12 @@ class EPDMiddleware:
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Open the owned client and start health probes at start-up; stop and close at shutdown."""
         probes = anyio.CancelScope()
+        server_scope = dict(scope)  # as it came: an app inside may put itself under "app"
 
         async with anyio.create_task_group() as group:
 
             async def probe(client: Transport) -> None:
-                headers = self._clients.probe_headers()
+                headers = self._pipeline.probe_headers()
                 with probes:
                     async with anyio.create_task_group() as pools:
                         for discovery in self._pipeline.discoveries:
@@ -202,6 +232,10 @@ class EPDMiddleware:
                 return message
 
             async def send_closing(message: Message) -> None:
+                if message["type"] == "lifespan.startup.complete":
+                    problem = await self._startup_checks(server_scope)
+                    if problem is not None:
+                        message = {"type": "lifespan.startup.failed", "message": problem}
                 if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
                     probes.cancel()
                     await self._clients.aclose()
@@ -233,10 +267,6 @@ class _ClientHolder:
             config = self._config
             self._owned = HTTPClient(connect_timeout=min(config.connect_timeout, config.encoder_timeout))
         return self._owned
-
-    def probe_headers(self) -> dict[str, str]:
-        auth = self._config.encoder_authorization
-        return {"authorization": auth} if auth else {}
 
     async def aclose(self) -> None:
         owned, self._owned = self._owned, None
@@ -290,6 +320,19 @@ class _ServerFacts:
             if isinstance(self._consumers, MooncakeConsumers):
                 logger.info("epd: encoders push embeddings to %s", self._consumers.by_rank)
         return self._consumers if isinstance(self._consumers, MooncakeConsumers) else None
+
+    def expectation(self, scope: Scope) -> Expectation | None:
+        """What the encoders and prefill servers must serve: this vLLM server's own model, else
+        ``expected_model``; None when neither is known (yet) or the check is off."""
+        if not self._config.check_models:
+            return None
+        vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+        if vllm_config is not None:
+            found = expectation_of_vllm(vllm_config)
+            if found is not None:
+                return found
+        model = self._config.expected_model
+        return Expectation(frozenset({model})) if model else None
 
     def kv_consumer(self, scope: Scope) -> bool:
         """Whether this server can take a KV cache another server prefilled (``kv_consumer`` or
@@ -407,6 +450,10 @@ class _Exchange:
         request_id, generated = self._request_id()
         push_to, pin_rank = middleware._server.push_target(self.scope) if request.media else (None, None)
         retries = middleware.config.engine_retries
+        if middleware._pipeline.expectation is None and middleware.config.check_models:
+            expectation = middleware._server.expectation(self.scope)
+            if expectation is not None:
+                middleware._pipeline.expect(expectation)
         for attempt in range(retries + 1):
             try:
                 # The client leaving now cancels this (and the encoder or prefill calls in it).
@@ -427,6 +474,8 @@ class _Exchange:
             )
             guard = _EngineFailureGuard(self.send, hold=attempt < retries)
             await middleware.app(scope, _replay(new_body, client.receive), guard.send)
+            if guard.status == 200 and middleware._pipeline.expectation is None:
+                self._learn_model(request)
             if not guard.withheld:
                 return
             middleware._pipeline.stats.engine_retry()
@@ -436,6 +485,20 @@ class _Exchange:
                 request_id,
                 attempt + 1,
                 retries,
+            )
+
+    def _learn_model(self, request: ParsedRequest) -> None:
+        """Outside vLLM and without ``expected_model``: a model the local engine answered 200 for is one
+        this server serves, so the encoders and prefill servers must serve it too."""
+        if not self.middleware.config.check_models:
+            return
+        model = text_of(request.fields.get(MODEL))
+        if isinstance(model, str) and model:
+            self.middleware._pipeline.expect(Expectation(frozenset({model})))
+            logger.info(
+                "epd: this server serves %r (the first request the engine answered); encoders and prefill "
+                "servers are used once they serve it too",
+                model,
             )
 
     async def _read_body(self) -> bytes:
@@ -546,18 +609,21 @@ class _ClientWatch:
 
 class _EngineFailureGuard:
     """Passes the engine's response through, except a 500 that may be retried: nothing of it is sent, so
-    the client never sees a byte of a response that is then replaced."""
+    the client never sees a byte of a response that is then replaced. Keeps the response's status."""
 
-    __slots__ = ("_send", "hold", "withheld")
+    __slots__ = ("_send", "hold", "status", "withheld")
 
     def __init__(self, send: Send, *, hold: bool) -> None:
         self._send = send
         self.hold = hold
         self.withheld = False
+        self.status = 0
 
     async def send(self, message: Message) -> None:
         if self.withheld:
             return
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
         if self.hold and message["type"] == "http.response.start" and message["status"] == 500:
             self.withheld = True
             return

@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 
 from . import selection
+from .compat import Expectation
 from .config import EPDConfig
 from .discovery import Discovery
 from .encoders import EncoderRequest, encode
@@ -148,6 +149,7 @@ class Pipeline:
             remote_prefill = bool(config.prefill or route.prefill)
             for discovery in self.discoveries:
                 await discovery.ready()
+            await self._models_checked(context)
             if request.media and (config.encoders or route.encoders):
                 fields = await self._encode(surface, request, context, notes)
             elif request.media:
@@ -168,6 +170,32 @@ class Pipeline:
             return None
         finally:
             self.pending -= 1
+
+    def expect(self, expectation: Expectation) -> None:
+        """Encoders and prefill servers are used only once seen serving ``expectation``."""
+        self.encoders.expect(expectation)
+        self.prefill.expect(expectation)
+
+    @property
+    def expectation(self) -> Expectation | None:
+        return self.encoders.expectation
+
+    async def _models_checked(self, context: RequestContext) -> None:
+        """Ask the servers this request may use and that were never asked (new DNS members, servers back
+        from ejection, a scheduler's first mention of one) what they serve, before choosing among them."""
+        route = context.route
+        for pool, named in (
+            (self.encoders, route.encoders),
+            (self.prefill, (route.prefill,) if route.prefill else ()),
+        ):
+            unchecked = pool.unchecked(named)
+            if unchecked:
+                await pool.check_models(context.client, unchecked, self.probe_headers())
+
+    def probe_headers(self) -> dict[str, str]:
+        """Headers of the middleware's own GETs to the servers (health, models)."""
+        auth = self.config.encoder_authorization
+        return {"authorization": auth} if auth else {}
 
     def _headers(self, context: RequestContext, suffix: str) -> dict[str, str]:
         headers = {_REQUEST_ID: f"{context.request_id}-{suffix}"}

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 import msgspec
 
+from .compat import Expectation, check_models
 from .config import EPDConfig
 from .errors import (
     RETRYABLE_STATUSES,
@@ -52,6 +53,9 @@ class _Health:
     ejected_until: float = 0.0
     cooldown: float = 0.0
     in_flight: int = 0
+    # Whether it serves this server's model (compat.py): unchecked, ok, mismatch, unreachable.
+    model: str = "unchecked"
+    served: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,8 @@ class ServerPool:
     _health: dict[str, _Health] = field(init=False, default_factory=dict)
     _limiters: dict[str, anyio.CapacityLimiter] = field(init=False, default_factory=dict)
     _next: int = field(init=False, default=0)
+    # What a usable server must serve (compat.py); None: not known, every server is taken as it is.
+    expectation: Expectation | None = field(init=False, default=None)
 
     # --- membership --------------------------------------------------------------------------------
 
@@ -143,10 +149,14 @@ class ServerPool:
     # --- selection -------------------------------------------------------------------------------
 
     def available(self, now: float) -> tuple[str, ...]:
-        """Members not ejected at ``now``; an ejected one comes back for a trial when its cool-down
-        ends."""
-        health = self._health
-        return tuple(url for url in self.members if health[url].ejected_until <= now)
+        """Members not ejected at ``now`` that serve this server's model; an ejected one comes back for
+        a trial when its cool-down ends."""
+        health, checked = self._health, self.expectation is not None
+        return tuple(
+            url
+            for url in self.members
+            if health[url].ejected_until <= now and (not checked or health[url].model == "ok")
+        )
 
     def in_flight_by_server(self) -> dict[str, int]:
         """Calls in flight per member (from this process)."""
@@ -154,9 +164,71 @@ class ServerPool:
         return {url: health[url].in_flight for url in self.members}
 
     def usable(self, url: str, now: float) -> bool:
-        """``url`` is not ejected at ``now`` (members and strangers alike)."""
+        """``url`` is not ejected at ``now`` and serves this server's model (members and strangers
+        alike)."""
         health = self._health.get(url)
-        return health is None or health.ejected_until <= now
+        if health is None:
+            return self.expectation is None
+        return health.ejected_until <= now and (self.expectation is None or health.model == "ok")
+
+    # --- models ------------------------------------------------------------------------------------
+
+    def expect(self, expectation: Expectation) -> None:
+        """From now on a server is used only once it was seen to serve ``expectation``."""
+        if expectation != self.expectation:
+            self.expectation = expectation
+            for health in self._health.values():
+                health.model = "unchecked"
+
+    def unchecked(self, urls: Sequence[str] = ()) -> list[str]:
+        """Members (and ``urls``) whose model must be checked before they are used."""
+        if self.expectation is None:
+            return []
+        health = self._health
+        return [
+            url
+            for url in dict.fromkeys((*self.members, *urls))
+            if url not in health or health[url].model == "unchecked"
+        ]
+
+    async def check_models(
+        self, client: Transport, urls: Sequence[str], headers: Mapping[str, str], *, recheck: bool = False
+    ) -> None:
+        """Ask ``urls`` (``recheck``: and every member not known to match) what they serve, concurrently,
+        within the health-check timeout each; a change of verdict is logged once and exported."""
+        expectation = self.expectation
+        if recheck:
+            urls = [*urls, *(url for url in self.members if self._health[url].model != "ok")]
+
+        async def one(url: str) -> None:
+            result = await check_models(client, url, expectation, headers, self.config.health_check_timeout)
+            health = self._record(url)
+            changed = (health.model, health.served) != (result.state, result.served)
+            health.model, health.served = result.state, result.served
+            self.stats.model_check(self.role, url, result.state == "ok")
+            if not changed:
+                return
+            if result.state == "ok":
+                logger.info("%s %s serves %s", self.role, url, result.served)
+            else:
+                wanted = expectation.describe() if expectation else "?"
+                logger.warning(
+                    "%s %s is not used: %s (this server serves %s)",
+                    self.role,
+                    url,
+                    f"it serves {result.served}" if result.state == "mismatch" else result.served,
+                    wanted,
+                )
+
+        async with anyio.create_task_group() as group:
+            for url in dict.fromkeys(urls):
+                group.start_soon(one, url)
+
+    def mismatched(self) -> list[tuple[str, str]]:
+        """Members that answered with another model, and what they serve."""
+        return [
+            (url, self._health[url].served) for url in self.members if self._health[url].model == "mismatch"
+        ]
 
     def reserve(self, count: int, among: int) -> int:
         """Claim ``count`` consecutive slots of the round-robin cursor over ``among`` servers.
@@ -191,6 +263,8 @@ class ServerPool:
         if health.ejected_until:
             logger.info("%s %s is back", self.role, url)
             self.stats.health(self.role, url, True)
+            if self.expectation is not None:
+                health.model = "unchecked"  # it may have come back as another server
         health.failures = 0
         health.ejected_until = 0.0
         health.cooldown = 0.0
@@ -222,6 +296,7 @@ class ServerPool:
                 "consecutive_failures": health.failures,
                 "ejected_for_s": max(0.0, health.ejected_until - now),
                 "in_flight": health.in_flight,
+                "model": {"state": health.model, "served": health.served},
             }
             for url, health in self._health.items()
         }
@@ -247,6 +322,8 @@ class ServerPool:
         async with anyio.create_task_group() as group:
             for url in self.members:
                 group.start_soon(one, url)
+        if self.expectation is not None:
+            await self.check_models(client, (), headers, recheck=True)
 
     async def probe_forever(self, client: Transport, headers: Mapping[str, str]) -> None:
         interval = self.config.health_check_interval

@@ -29,6 +29,16 @@ DEFAULT_GRID = [1, 36, 26]  # 234 tokens after the 2x2 merge
 SMALL_GRID = [1, 12, 18]  # 54 tokens
 MODEL = "tiny-qwen2-vl"
 
+# The model names the tests send; fake servers say they serve all of them unless told otherwise.
+TEST_MODELS = [MODEL, "m", "a", "b", "bench"]
+
+
+def models_answer(names: list[str], root: str | None = None) -> dict[str, Any]:
+    """vLLM's GET /v1/models answer."""
+    cards = [{"id": name, "object": "model", "owned_by": "vllm", "root": root or name} for name in names]
+    return {"object": "list", "data": cards}
+
+
 PART_MODALITY = {"image_url": "image", "audio_url": "audio", "video_url": "video", "input_audio": "audio"}
 
 
@@ -90,6 +100,9 @@ class FakeEncoders:
     in_flight: dict[str, int] = field(default_factory=dict)
     peak_in_flight: dict[str, int] = field(default_factory=dict)
     health_status: dict[str, int] = field(default_factory=dict)
+    # What GET /v1/models answers, per encoder (default: the models the tests send, each its own root).
+    served: dict[str, list[str]] = field(default_factory=dict)
+    roots: dict[str, str] = field(default_factory=dict)
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=httpx.MockTransport(self.handle))
@@ -104,6 +117,11 @@ class FakeEncoders:
             if self.mode.get(encoder) == "refuse":
                 raise httpx.ConnectError("connection refused", request=request)
             return httpx.Response(self.health_status.get(encoder, 200))
+        if request.url.path == "/v1/models":
+            if self.mode.get(encoder) == "refuse":
+                raise httpx.ConnectError("connection refused", request=request)
+            names = self.served.get(encoder, TEST_MODELS)
+            return httpx.Response(200, json=models_answer(names, self.roots.get(encoder)))
         assert request.url.path == "/v1/chat/completions"
         self.in_flight[encoder] = self.in_flight.get(encoder, 0) + 1
         self.peak_in_flight[encoder] = max(self.peak_in_flight.get(encoder, 0), self.in_flight[encoder])
@@ -306,6 +324,8 @@ class FakePrefill:
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
             return httpx.Response(200)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=models_answer(TEST_MODELS))
         body = json.loads(request.content)
         self.calls.append(PrefillCallRecord(server, request.url.path, body, dict(request.headers)))
         if mode == "hang":

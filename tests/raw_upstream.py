@@ -126,6 +126,10 @@ class RawUpstream:
             elif name.lower() == b"x-request-id":
                 request_id = value.strip().decode()
         mode = self.mode
+        if head.startswith(b"GET /v1/models"):
+            cards = [{"id": name, "root": name} for name in ("tiny-qwen2-vl", "m")]
+            await stream.send(framed(json.dumps({"data": cards}).encode()))
+            return True
         if head.startswith(b"GET"):  # health probes: always fine
             await stream.send(framed(b""))
             return True

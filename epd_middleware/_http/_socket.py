@@ -13,6 +13,7 @@ C transport.
 
 from __future__ import annotations
 
+import errno
 import select
 import ssl
 from collections.abc import Callable, Sequence
@@ -148,6 +149,15 @@ def _queue_probe(stream: anyio.abc.SocketStream) -> Callable[[], bool]:
     return _unknown_queue
 
 
+def _why(exc: BaseException) -> str:
+    """The errno's name where there is one (ECONNREFUSED ...), else the exception's type."""
+    for error in (exc, exc.__cause__, *getattr(exc, "exceptions", ())):
+        code = getattr(error, "errno", None)
+        if isinstance(code, int) and code in errno.errorcode:
+            return errno.errorcode[code]
+    return type(exc).__name__
+
+
 def _nothing_queued() -> bool:
     return False
 
@@ -164,7 +174,7 @@ async def connect(
     try:
         stream = await anyio.connect_tcp(host, port)
     except (OSError, anyio.BrokenResourceError) as exc:
-        raise ConnectFailed(f"connection failed ({type(exc).__name__})") from None
+        raise ConnectFailed(f"connection failed ({_why(exc)})") from None
     connection = Connection(stream)
     if ssl_context is None:
         return connection

@@ -1,9 +1,10 @@
 """A fake vLLM encoder on a real loopback socket, in its own process, that can misbehave at the socket
 level: refuse connections, answer 500, hang, answer garbage, or drop the connection mid-response.
 
-    python -m tests.load.fake_encoder_server PORT [--faults PHASE_SECONDS] [--host ADDRESS] [--storage DIR]
+    python -m tests.load.fake_encoder_server PORT [--faults SECONDS] [--host ADDRESS] [--storage DIR]
+                                                  [--model NAME]
 
-With --faults it cycles through every fault in turn, PHASE_SECONDS each, and never answers correctly.
+With --faults it cycles through every fault in turn, SECONDS each, and never answers correctly.
 With --storage it writes each embedding it reports where ECExampleConnector would
 (DIR/<hash>/encoder_cache.safetensors). ``GET /stats`` answers what it served (requests, items, body
 bytes). Only the standard library, so the misbehaviour is exactly what is written here.
@@ -58,6 +59,7 @@ class Encoder:
         self.host = host
         self.phase = phase
         self.storage = storage
+        self.models = ["m", "bench", "tiny-qwen2-vl"]
         self.served = {"requests": 0, "items": 0, "bytes": 0}
         self.started = time.monotonic()
         self.server: asyncio.base_events.Server | None = None
@@ -92,6 +94,11 @@ class Encoder:
                 body = await reader.readexactly(length) if length else b""
                 if path == "/health":
                     writer.write(response(200, b"") if self.mode() == "ok" else response(500, b"{}"))
+                    await writer.drain()
+                    continue
+                if path == "/v1/models":
+                    cards = [{"id": name, "root": name} for name in self.models]
+                    writer.write(response(200, json.dumps({"object": "list", "data": cards}).encode()))
                     await writer.drain()
                     continue
                 if path == "/stats":
@@ -152,4 +159,7 @@ if __name__ == "__main__":
     port = int(sys.argv[1])
     options = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     phase = float(options["--faults"]) if "--faults" in options else None
-    asyncio.run(Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage")).run())
+    encoder = Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage"))
+    if "--model" in options:
+        encoder.models = [options["--model"]]
+    asyncio.run(encoder.run())

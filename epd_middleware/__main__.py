@@ -1,0 +1,7 @@
+"""``python -m epd_middleware check``: the same as the ``epd-middleware`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

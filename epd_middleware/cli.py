@@ -1,0 +1,199 @@
+"""``epd-middleware check``: what an operator runs before and after a rollout.
+
+    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME] [--json]
+    python -m epd_middleware check ...
+
+Reads the same ``EPD_*`` environment as the middleware (flags override it), looks up the ``dns+http://``
+names, and asks every encoder and prefill server once for ``GET /health`` and ``GET /v1/models``. Prints
+one line per server (URL, reachable, model, health latency, verdict) and exits 0 when every server is
+reachable and serves the expected model (without ``--expected-model``: when they all serve the same), 1
+when any is not, 2 when the configuration itself is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import anyio
+
+from ._http import HTTPClient, HTTPError
+from .compat import Expectation, check_models
+from .config import EPDConfig
+from .discovery import Discovery
+from .metrics import Stats
+from .pool import ServerPool
+from .transport import Transport
+
+__all__ = ["ServerReport", "check_fleet", "main"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerReport:
+    role: str
+    url: str
+    reachable: bool
+    model: str
+    health_ms: float | None
+    verdict: str
+    ok: bool
+
+
+async def _health(client: Transport, url: str, headers: dict[str, str], limit: float) -> tuple[str, float]:
+    started = time.perf_counter()
+    try:
+        with anyio.fail_after(limit):
+            status, _ = await client.request("GET", f"{url}/health", headers=headers)
+    except TimeoutError:
+        return f"no answer within {limit:g} s", limit * 1000
+    except HTTPError as exc:
+        return exc.reason, (time.perf_counter() - started) * 1000
+    elapsed = (time.perf_counter() - started) * 1000
+    return ("ok" if status == 200 else f"HTTP {status}"), elapsed
+
+
+async def check_fleet(
+    config: EPDConfig, client: Transport, expected: str | None
+) -> tuple[list[ServerReport], list[str]]:
+    """One report per server, and the problems found before any server was asked (DNS)."""
+    headers = {"authorization": config.encoder_authorization} if config.encoder_authorization else {}
+    expectation = Expectation(frozenset({expected})) if expected else None
+    timeout = config.health_check_timeout
+    problems: list[str] = []
+    servers: list[tuple[str, str]] = []
+    for role, urls in (("encoder", config.encoders), ("prefill", config.prefill)):
+        pool = ServerPool(role, config, timeout, Stats())
+        discovery = Discovery(
+            pool, urls, config.dns_refresh_interval, config.dns_timeout, config.dns_nameservers
+        )
+        if discovery.dynamic:
+            await discovery.refresh()
+            for name, state in discovery.snapshot().items():
+                if state["last_error"]:
+                    problems.append(f"{role} {name}: DNS lookup failed: {state['last_error']}")
+                elif not state["addresses"]:
+                    problems.append(f"{role} {name}: DNS answered no address")
+        servers.extend((role, url) for url in pool.members)
+
+    results: dict[tuple[str, str], tuple[tuple[str, float], Any]] = {}
+
+    async def one(role: str, url: str) -> None:
+        health = await _health(client, url, headers, timeout)
+        models = await check_models(client, url, expectation, headers, timeout)
+        results[(role, url)] = (health, models)
+
+    async with anyio.create_task_group() as group:
+        for role, url in servers:
+            group.start_soon(one, role, url)
+
+    served_sets = {results[key][1].served for key in servers if results[key][1].state != "unreachable"}
+    reports = []
+    for role, url in servers:
+        (health, health_ms), models = results[(role, url)]
+        reachable = models.state != "unreachable" or health == "ok"
+        if models.state == "unreachable":
+            verdict = f"not usable: {models.served}"
+        elif models.state == "mismatch":
+            verdict = f"serves another model (expected {expected})"
+        elif health != "ok":
+            verdict = f"health check: {health}"
+        elif expectation is None and len(served_sets) > 1:
+            verdict = "serves a model the other servers do not (give --expected-model to say which is right)"
+        else:
+            verdict = "ok"
+        reports.append(
+            ServerReport(
+                role,
+                url,
+                reachable,
+                models.served if models.state != "unreachable" else "-",
+                round(health_ms, 1) if health == "ok" else None,
+                verdict,
+                verdict == "ok",
+            )
+        )
+    if not servers and not problems:
+        problems.append("no encoder or prefill server configured")
+    return reports, problems
+
+
+def _table(reports: Sequence[ServerReport], problems: Sequence[str]) -> str:
+    rows = [("ROLE", "URL", "REACHABLE", "MODEL", "HEALTH MS", "VERDICT")]
+    for report in reports:
+        rows.append(
+            (
+                report.role,
+                report.url,
+                "yes" if report.reachable else "no",
+                report.model,
+                "-" if report.health_ms is None else f"{report.health_ms:.1f}",
+                report.verdict,
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(5)]
+    lines = [
+        "  ".join([*(cell.ljust(width) for cell, width in zip(row, widths, strict=False)), row[5]])
+        for row in rows
+    ]
+    lines.extend(f"problem: {problem}" for problem in problems)
+    bad = sum(not report.ok for report in reports) + len(problems)
+    lines.append("all servers ok" if not bad else f"{bad} problem(s)")
+    return "\n".join(lines)
+
+
+def _config(args: argparse.Namespace) -> EPDConfig:
+    environ = dict(os.environ)
+    for name, value in (("ENCODERS", args.encoders), ("PREFILL", args.prefill)):
+        if value is not None:
+            environ[f"EPD_{name}"] = value
+    return EPDConfig.from_env(environ)
+
+
+async def _run(args: argparse.Namespace, config: EPDConfig) -> tuple[list[ServerReport], list[str]]:
+    client = HTTPClient(connect_timeout=min(config.connect_timeout, config.health_check_timeout))
+    try:
+        expected = args.expected_model or config.expected_model
+        return await check_fleet(config, client, expected)
+    finally:
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epd-middleware", description="epd-middleware operator commands")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser(
+        "check",
+        help="ask every encoder and prefill server whether it is up and serves the right model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("--encoders", help="comma-separated encoder URLs (default: EPD_ENCODERS)")
+    check.add_argument("--prefill", help="comma-separated prefill URLs (default: EPD_PREFILL)")
+    check.add_argument(
+        "--expected-model", help="the model every server must serve (default: EPD_EXPECTED_MODEL)"
+    )
+    check.add_argument("--json", action="store_true", help="print JSON for scripts")
+    check.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        print(f"epd-middleware check: {exc}", file=sys.stderr)
+        return 2
+    reports, problems = anyio.run(_run, args, config, backend=args.backend)
+    if args.json:
+        payload = {
+            "ok": all(report.ok for report in reports) and not problems,
+            "servers": [asdict(report) for report in reports],
+            "problems": problems,
+        }
+        print(json.dumps(payload, indent=1))
+    else:
+        print(_table(reports, problems))
+    return 0 if all(report.ok for report in reports) and not problems else 1
