@@ -145,6 +145,8 @@ class VLLMServer:
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    served_name: str = SERVED_MODEL
+    limits: str = '{"image":4,"video":0}'
 
     @property
     def url(self) -> str:
@@ -166,14 +168,14 @@ class VLLMServer:
             "--port",
             str(self.port),
             "--served-model-name",
-            SERVED_MODEL,
+            self.served_name,
             "--dtype",
             "float32",
             "--max-model-len",
             "2048",
             "--enforce-eager",
             "--limit-mm-per-prompt",
-            '{"image":4,"video":0}',
+            self.limits,
             "--trust-request-mm-kwargs",
             *self.args,
         ]

@@ -80,6 +80,7 @@ class Pipeline:
         self.encoders = ServerPool("encoder", config, config.encoder_timeout, self.stats)
         self.prefill = ServerPool("prefill", config, config.prefill_timeout, self.stats)
         self.reuse = HandleCache(config.reuse_cache_size)
+        self.encoders.check_headers = self.prefill.check_headers = self.probe_headers()
         self.discoveries = (
             self._discovery(self.encoders, config.encoders),
             self._discovery(self.prefill, config.prefill),
@@ -149,7 +150,6 @@ class Pipeline:
             remote_prefill = bool(config.prefill or route.prefill)
             for discovery in self.discoveries:
                 await discovery.ready()
-            await self._models_checked(context)
             if request.media and (config.encoders or route.encoders):
                 fields = await self._encode(surface, request, context, notes)
             elif request.media:
@@ -179,18 +179,6 @@ class Pipeline:
     @property
     def expectation(self) -> Expectation | None:
         return self.encoders.expectation
-
-    async def _models_checked(self, context: RequestContext) -> None:
-        """Ask the servers this request may use and that were never asked (new DNS members, servers back
-        from ejection, a scheduler's first mention of one) what they serve, before choosing among them."""
-        route = context.route
-        for pool, named in (
-            (self.encoders, route.encoders),
-            (self.prefill, (route.prefill,) if route.prefill else ()),
-        ):
-            unchecked = pool.unchecked(named)
-            if unchecked:
-                await pool.check_models(context.client, unchecked, self.probe_headers())
 
     def probe_headers(self) -> dict[str, str]:
         """Headers of the middleware's own GETs to the servers (health, models)."""

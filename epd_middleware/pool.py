@@ -73,6 +73,8 @@ class Attempt(Generic[T]):
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
 # forgotten: bounds the memory a stream of distinct targets can take.
 _MAX_STRANGERS = 1024
+# Model states (compat.py) that keep a server from taking calls.
+_UNUSABLE_MODEL = frozenset({"mismatch", "unreachable"})
 
 
 @dataclass
@@ -93,6 +95,9 @@ class ServerPool:
     _next: int = field(init=False, default=0)
     # What a usable server must serve (compat.py); None: not known, every server is taken as it is.
     expectation: Expectation | None = field(init=False, default=None)
+    # Headers of the pool's own GETs (health, models): the encoder key, when one is set.
+    check_headers: Mapping[str, str] = field(init=False, default_factory=dict)
+    _checking: dict[str, anyio.Event] = field(init=False, default_factory=dict)
 
     # --- membership --------------------------------------------------------------------------------
 
@@ -149,13 +154,13 @@ class ServerPool:
     # --- selection -------------------------------------------------------------------------------
 
     def available(self, now: float) -> tuple[str, ...]:
-        """Members not ejected at ``now`` that serve this server's model; an ejected one comes back for
-        a trial when its cool-down ends."""
-        health, checked = self._health, self.expectation is not None
+        """Members not ejected at ``now`` and not known to serve another model (one not checked yet is
+        checked by its first call); an ejected one comes back for a trial when its cool-down ends."""
+        health = self._health
         return tuple(
             url
             for url in self.members
-            if health[url].ejected_until <= now and (not checked or health[url].model == "ok")
+            if health[url].ejected_until <= now and health[url].model not in _UNUSABLE_MODEL
         )
 
     def in_flight_by_server(self) -> dict[str, int]:
@@ -167,9 +172,7 @@ class ServerPool:
         """``url`` is not ejected at ``now`` and serves this server's model (members and strangers
         alike)."""
         health = self._health.get(url)
-        if health is None:
-            return self.expectation is None
-        return health.ejected_until <= now and (self.expectation is None or health.model == "ok")
+        return health is None or (health.ejected_until <= now and health.model not in _UNUSABLE_MODEL)
 
     # --- models ------------------------------------------------------------------------------------
 
@@ -180,16 +183,25 @@ class ServerPool:
             for health in self._health.values():
                 health.model = "unchecked"
 
-    def unchecked(self, urls: Sequence[str] = ()) -> list[str]:
-        """Members (and ``urls``) whose model must be checked before they are used."""
+    async def _serves_the_model(self, client: Transport, server: str) -> bool:
+        """Whether ``server`` may take a call: asked first if it never was (one check at a time per
+        server; concurrent calls wait for it)."""
         if self.expectation is None:
-            return []
-        health = self._health
-        return [
-            url
-            for url in dict.fromkeys((*self.members, *urls))
-            if url not in health or health[url].model == "unchecked"
-        ]
+            return True
+        health = self._record(server)
+        if health.model == "unchecked":
+            running = self._checking.get(server)
+            if running is None:
+                self._checking[server] = done = anyio.Event()
+                try:
+                    await self.check_models(client, [server], self.check_headers)
+                finally:
+                    del self._checking[server]
+                    done.set()
+            else:
+                await running.wait()
+        now = self._health.get(server)
+        return now is not None and now.model == "ok"
 
     async def check_models(
         self, client: Transport, urls: Sequence[str], headers: Mapping[str, str], *, recheck: bool = False
@@ -361,6 +373,15 @@ class ServerPool:
         last: UpstreamError | None = None
         while server is not None and len(tried) < self.config.max_attempts:
             tried.append(server)
+            if not await self._serves_the_model(client, server):
+                # Not the server's failure: it is not one of ours (another model, or it did not say).
+                last = UpstreamUnavailable(
+                    server,
+                    f"not used: {self._health[server].served or 'it did not say what it serves'}",
+                    role=self.role,
+                )
+                server = self.failover_target(tried, anyio.current_time(), preferred)
+                continue
             started = time.perf_counter()
             try:
                 result = await self._call_once(client, server, path, attempt(), headers)

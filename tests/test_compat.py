@@ -87,7 +87,12 @@ async def test_a_server_of_another_model_is_not_used(caplog: pytest.LogCaptureFi
 
 async def test_every_encoder_of_another_model_means_no_encoder() -> None:
     encoders = FakeEncoders([E0], served={E0: ["another-model"]})
-    response = await post(app_with(encoders, expected_model=MODEL), chat_body(image(png(1))))
+    app = app_with(encoders, expected_model=MODEL)
+    # The first call finds out (502 naming the encoder and what it serves); later ones know (503).
+    first = await post(app, chat_body(image(png(1))))
+    assert first.status_code == 502
+    assert f"encoder {E0} failed: not used: another-model" in first.json()["error"]["message"]
+    response = await post(app, chat_body(image(png(2))))
     assert response.status_code == 503
     local = app_with(encoders, expected_model=MODEL, on_encoder_failure="local")
     assert (await post(local, chat_body(image(png(1))))).status_code == 200

@@ -28,6 +28,8 @@ class Deployment:
     encoders: list[lab.VLLMServer]
     pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
     pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"
+    # an encoder serving the tiny model under another name; only pd_flag lists it (and must not use it)
+    encoder_other: lab.VLLMServer
     # Plain ec_consumer without middleware, and kv_producer: the prefill server of pd_decode. The
     # negative control (last) may kill it.
     control: lab.VLLMServer
@@ -43,6 +45,7 @@ class Deployment:
         return [
             self.single,
             *self.encoders,
+            self.encoder_other,
             self.pd,
             self.pd_flag,
             self.control,
@@ -76,6 +79,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     kv_storage.mkdir()
     encoders = [lab.encoder_server(python, model, logs, storage, name=f"encoder-{i}") for i in range(2)]
     urls = [server.url for server in encoders]
+    encoder_other = lab.encoder_server(python, model, logs, storage, name="encoder-other-model")
+    encoder_other.served_name = "other-model"
     control = lab.pd_server(
         python, model, logs, storage, urls, via="none", name="pd-control", kv=("kv_producer", kv_storage)
     )
@@ -94,12 +99,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             via="plugin",
             extra_env={"VLLM_API_KEY": API_KEY, **lab.connector_debug_logging(logs)},
         ),
+        encoder_other=encoder_other,
         pd_flag=lab.pd_server(
             python,
             model,
             logs,
             storage,
-            urls,
+            [*urls, encoder_other.url],
             via="middleware",
             name="pd-flag",
             extra_env={"EPD_ON_ENCODER_FAILURE": "local", "EPD_HEALTH_CHECK_INTERVAL": "1"},

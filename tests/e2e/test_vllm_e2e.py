@@ -236,6 +236,26 @@ def test_middleware_flag_loading_equals_the_single_instance(deployment: Deployme
     assert len(deployment.stored_hashes() - before) == 1
 
 
+def test_an_encoder_serving_another_model_is_refused_with_a_clear_line(deployment: Deployment) -> None:
+    """pd_flag lists the two encoders and one started with --served-model-name other-model: the
+    middleware asked each for /v1/models at start-up, says which one it will not use and why, and
+    requests are answered through the right ones."""
+    other = deployment.encoder_other
+    log = deployment.pd_flag.log_path.read_text(errors="replace")
+    assert f"encoder {other.url} is not used: it serves other-model" in log
+    status = httpx.get(f"{deployment.pd_flag.url}/epd/status", timeout=30).json()
+    assert status["encoders"][other.url]["model"]["state"] == "mismatch"
+    assert {status["encoders"][server.url]["model"]["state"] for server in deployment.encoders} == {"ok"}
+    for shift in (141, 147, 153):
+        body = seed_request(MODEL, images=[image(shift=shift)])
+        baseline = chat(deployment.single, body)
+        response = chat(deployment.pd_flag, body)
+        record(f"wrong-model encoder listed, shift {shift}", response, baseline)
+        assert_same(response, baseline)
+    assert served_requests(other) == 0
+    assert FALLBACK_LOG not in deployment.pd_flag.log_path.read_text(errors="replace")
+
+
 def test_unauthenticated_request_does_no_encoder_work(deployment: Deployment) -> None:
     before = deployment.stored_hashes()
     response = chat(deployment.pd, seed_request(MODEL, images=[image(shift=130)]))
