@@ -49,19 +49,23 @@ def find_vllm_python() -> str | None:
     return sys.executable if probe.returncode == 0 else None
 
 
-def ensure_tiny_model(python: str, cache_dir: Path) -> Path:
-    """The tiny model, built once per content of its builder and cached under ``cache_dir``."""
+def ensure_tiny_model(python: str, cache_dir: Path, builder: str = "tiny_model") -> Path:
+    """A tiny model (``tiny_model``: Qwen2-VL; ``tiny_audio_model``: Qwen2-Audio), built once per
+    content of its builder and cached under ``cache_dir``."""
     import hashlib
 
-    builder = ROOT / "epd_lab" / "tiny_model.py"
-    digest = hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
-    out = cache_dir / f"tiny-qwen2-vl-{digest}"
-    if (out / "model.safetensors").exists() and (out / "preprocessor_config.json").exists():
+    source = (ROOT / "epd_lab" / f"{builder}.py").read_bytes() + (
+        ROOT / "epd_lab" / "tiny_model.py"
+    ).read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:12]
+    name = "tiny-qwen2-vl" if builder == "tiny_model" else "tiny-qwen2-audio"
+    out = cache_dir / f"{name}-{digest}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     tmp = cache_dir / f".building-{digest}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     subprocess.run(
-        [python, str(builder), str(tmp)],
+        [python, "-m", f"epd_lab.{builder}", str(tmp)],
         check=True,
         cwd=ROOT,
         env={**os.environ, **BASE_ENV},
@@ -71,6 +75,23 @@ def ensure_tiny_model(python: str, cache_dir: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def ensure_media(python: str, cache_dir: Path) -> tuple[Path, Path]:
+    """The test clip (mp4, made with the vLLM environment's OpenCV) and tone (wav), made once."""
+    video, audio = cache_dir / "clip-16f-4fps.mp4", cache_dir / "tone-2s.wav"
+    for kind, path, args in (("video", video, ["16", "4"]), ("audio", audio, ["2.0"])):
+        if not path.exists():
+            tmp = path.with_suffix(f".tmp{os.getpid()}{path.suffix}")
+            subprocess.run(
+                [python, "-m", "epd_lab.media", kind, str(tmp), *args],
+                check=True,
+                cwd=ROOT,
+                capture_output=True,
+                timeout=300,
+            )
+            tmp.rename(path)
+    return video, audio
 
 
 def install_project(python: str) -> None:

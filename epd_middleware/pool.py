@@ -73,8 +73,9 @@ class Attempt(Generic[T]):
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
 # forgotten: bounds the memory a stream of distinct targets can take.
 _MAX_STRANGERS = 1024
-# Model states (compat.py) that keep a server from taking calls.
-_UNUSABLE_MODEL = frozenset({"mismatch", "unreachable"})
+# Model states (compat.py) that keep a server from being chosen; one that did not answer is asked again
+# by its next call (a fleet starts in any order: a PD server is often up before its encoders).
+_UNUSABLE_MODEL = frozenset({"mismatch"})
 
 
 @dataclass
@@ -189,7 +190,7 @@ class ServerPool:
         if self.expectation is None:
             return True
         health = self._record(server)
-        if health.model == "unchecked":
+        if health.model in ("unchecked", "unreachable"):
             running = self._checking.get(server)
             if running is None:
                 self._checking[server] = done = anyio.Event()
@@ -207,7 +208,8 @@ class ServerPool:
         self, client: Transport, urls: Sequence[str], headers: Mapping[str, str], *, recheck: bool = False
     ) -> None:
         """Ask ``urls`` (``recheck``: and every member not known to match) what they serve, concurrently,
-        within the health-check timeout each; a change of verdict is logged once and exported."""
+        within the health-check timeout each; a change of verdict is logged once and exported. A server
+        that does not answer counts a failure, as a failed call would."""
         expectation = self.expectation
         if recheck:
             urls = [*urls, *(url for url in self.members if self._health[url].model != "ok")]
@@ -217,19 +219,30 @@ class ServerPool:
             health = self._record(url)
             changed = (health.model, health.served) != (result.state, result.served)
             health.model, health.served = result.state, result.served
+            if result.state == "unreachable":
+                # As a failed call: a server that keeps not answering is ejected, and not asked again
+                # by every request while it is.
+                self.record_failure(url, anyio.current_time(), result.served)
             self.stats.model_check(self.role, url, result.state == "ok")
             if not changed:
                 return
+            wanted = expectation.describe() if expectation else "?"
             if result.state == "ok":
                 logger.info("%s %s serves %s", self.role, url, result.served)
-            else:
-                wanted = expectation.describe() if expectation else "?"
+            elif result.state == "mismatch":
                 logger.warning(
-                    "%s %s is not used: %s (this server serves %s)",
+                    "%s %s is not used: it serves %s (this server serves %s)",
                     self.role,
                     url,
-                    f"it serves {result.served}" if result.state == "mismatch" else result.served,
+                    result.served,
                     wanted,
+                )
+            else:
+                logger.warning(
+                    "%s %s did not say what it serves (%s); it is asked again before its next call",
+                    self.role,
+                    url,
+                    result.served,
                 )
 
         async with anyio.create_task_group() as group:

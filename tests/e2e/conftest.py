@@ -38,6 +38,14 @@ class Deployment:
     # plugin with EPD_SCHEDULER=llm-d and no pools: llm-d's headers name encoder-1 and control, which
     # the allowlist admits (exact host and port); kv_consumer
     pd_llmd: lab.VLLMServer
+    # Video: the test clip, through single / encoders / pd (which take one video per prompt).
+    video: Path
+    # Audio: a tiny Qwen2-Audio of its own, with its own single instance, encoder, PD and storage.
+    audio: Path
+    audio_storage: Path
+    audio_single: lab.VLLMServer
+    audio_encoder: lab.VLLMServer
+    audio_pd: lab.VLLMServer
     report: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -52,10 +60,14 @@ class Deployment:
             self.pd_multi,
             self.pd_decode,
             self.pd_llmd,
+            self.audio_single,
+            self.audio_encoder,
+            self.audio_pd,
         ]
 
-    def stored_hashes(self) -> set[str]:
-        return {entry.name for entry in self.storage.iterdir()} if self.storage.exists() else set()
+    def stored_hashes(self, storage: Path | None = None) -> set[str]:
+        storage = storage or self.storage
+        return {entry.name for entry in storage.iterdir()} if storage.exists() else set()
 
 
 _deployment: Deployment | None = None
@@ -73,10 +85,14 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     cache.mkdir(parents=True, exist_ok=True)
     lab.install_project(python)
     model = lab.ensure_tiny_model(python, cache)
+    audio_model = lab.ensure_tiny_model(python, cache, "tiny_audio_model")
+    video, audio = lab.ensure_media(python, cache)
     root = tmp_path_factory.mktemp("vllm")
     storage, kv_storage, logs = root / "ec-cache", root / "kv-cache", root / "logs"
+    audio_storage = root / "ec-cache-audio"
     storage.mkdir()
     kv_storage.mkdir()
+    audio_storage.mkdir()
     encoders = [lab.encoder_server(python, model, logs, storage, name=f"encoder-{i}") for i in range(2)]
     urls = [server.url for server in encoders]
     encoder_other = lab.encoder_server(python, model, logs, storage, name="encoder-other-model")
@@ -137,7 +153,27 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             },
             kv=("kv_consumer", kv_storage),
         ),
+        video=video,
+        audio=audio,
+        audio_storage=audio_storage,
+        audio_single=lab.single_server(python, audio_model, logs, name="audio-single"),
+        audio_encoder=lab.encoder_server(python, audio_model, logs, audio_storage, name="audio-encoder"),
+        audio_pd=lab.pd_server(
+            python,
+            audio_model,
+            logs,
+            audio_storage,
+            [],
+            via="plugin",
+            name="audio-pd",
+            extra_env=lab.connector_debug_logging(logs / "audio"),
+        ),
     )
+    deployment.audio_pd.env["EPD_ENCODERS"] = deployment.audio_encoder.url
+    for server in (deployment.single, *deployment.encoders, deployment.pd, deployment.control):
+        server.limits = '{"image":4,"video":1}'
+    for server in (deployment.audio_single, deployment.audio_encoder, deployment.audio_pd):
+        server.limits = '{"audio":2}'
     deployment.pd_multi.args += ["--api-server-count", "2"]
     lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
     _deployment = deployment

@@ -625,6 +625,26 @@ def test_llm_d_forged_targets(deployment: Deployment) -> None:
     assert [served_requests(server) for server in (*deployment.encoders, deployment.control)] == served
 
 
+def test_zz_video_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
+    """What the middleware prevents, for video: the encoder ran without the options, PD with them. The
+    control server takes videos too, so this runs on it, before the image negative control."""
+    from .test_modalities import VIDEO_OPTIONS, data_url, encode_on, request, video_part
+
+    url, uuid = data_url(deployment.video, "video/mp4"), "video-negative-control"
+    reply = encode_on(deployment.encoders[0], {**video_part(url), "uuid": uuid}, None)
+    [(reported, entry)] = reply["ec_transfer_params"].items()
+    assert reported == uuid
+    body = request([{"type": "video_embeds", "video_embeds": entry["metadata"], "uuid": uuid}], VIDEO_OPTIONS)
+    body["ec_transfer_params"] = reply["ec_transfer_params"]
+    try:
+        response = chat(deployment.control, body)
+    except httpx.HTTPError as exc:  # the engine may die mid-request
+        REPORT.append({"case": "video negative control (options dropped)", "status": 0, "output": repr(exc)})
+        return
+    record("video negative control (options dropped)", response)
+    assert response.status_code != 200
+
+
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
     """What the middleware prevents: the encoder ran without the options, PD runs with them."""
     url = image(shift=150)
