@@ -17,6 +17,7 @@ import pytest
 from epd_lab import servers as lab
 
 API_KEY = "e2e-secret-key"
+AUDIO_MODEL = "tiny-qwen2-audio"
 
 
 @dataclass
@@ -27,9 +28,8 @@ class Deployment:
     single: lab.VLLMServer
     encoders: list[lab.VLLMServer]
     pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
-    pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"
-    # an encoder serving the tiny model under another name; only pd_flag lists it (and must not use it)
-    encoder_other: lab.VLLMServer
+    pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"; it also lists
+    # the audio encoder, which serves another model (name and path), and must not use it
     # Plain ec_consumer without middleware, and kv_producer: the prefill server of pd_decode. The
     # negative control (last) may kill it.
     control: lab.VLLMServer
@@ -53,7 +53,6 @@ class Deployment:
         return [
             self.single,
             *self.encoders,
-            self.encoder_other,
             self.pd,
             self.pd_flag,
             self.control,
@@ -95,8 +94,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     audio_storage.mkdir()
     encoders = [lab.encoder_server(python, model, logs, storage, name=f"encoder-{i}") for i in range(2)]
     urls = [server.url for server in encoders]
-    encoder_other = lab.encoder_server(python, model, logs, storage, name="encoder-other-model")
-    encoder_other.served_name = "other-model"
+    audio_encoder = lab.encoder_server(python, audio_model, logs, audio_storage, name="audio-encoder")
     control = lab.pd_server(
         python, model, logs, storage, urls, via="none", name="pd-control", kv=("kv_producer", kv_storage)
     )
@@ -115,13 +113,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             via="plugin",
             extra_env={"VLLM_API_KEY": API_KEY, **lab.connector_debug_logging(logs)},
         ),
-        encoder_other=encoder_other,
         pd_flag=lab.pd_server(
             python,
             model,
             logs,
             storage,
-            [*urls, encoder_other.url],
+            [*urls, audio_encoder.url],
             via="middleware",
             name="pd-flag",
             extra_env={"EPD_ON_ENCODER_FAILURE": "local", "EPD_HEALTH_CHECK_INTERVAL": "1"},
@@ -157,7 +154,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         audio=audio,
         audio_storage=audio_storage,
         audio_single=lab.single_server(python, audio_model, logs, name="audio-single"),
-        audio_encoder=lab.encoder_server(python, audio_model, logs, audio_storage, name="audio-encoder"),
+        audio_encoder=audio_encoder,
         audio_pd=lab.pd_server(
             python,
             audio_model,
@@ -174,6 +171,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         server.limits = '{"image":4,"video":1}'
     for server in (deployment.audio_single, deployment.audio_encoder, deployment.audio_pd):
         server.limits = '{"audio":2}'
+        server.served_name = AUDIO_MODEL
     deployment.pd_multi.args += ["--api-server-count", "2"]
     lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
     _deployment = deployment

@@ -16,7 +16,7 @@ from epd_lab import servers as lab
 from epd_lab.seed import seed_image
 from epd_middleware.plan import content_uuid
 
-from .conftest import API_KEY, Deployment
+from .conftest import API_KEY, AUDIO_MODEL, Deployment
 from .test_vllm_e2e import REPORT, assert_same, chat, record, served_requests
 
 pytestmark = pytest.mark.e2e
@@ -47,10 +47,12 @@ def audio_part(deployment: Deployment, kind: str) -> dict[str, Any]:
     return {"type": "audio_url", "audio_url": {"url": data_url(deployment.audio, "audio/wav")}}
 
 
-def request(parts: list[dict[str, Any]], options: dict[str, Any] | None = None) -> dict[str, Any]:
+def request(
+    parts: list[dict[str, Any]], options: dict[str, Any] | None = None, model: str = MODEL
+) -> dict[str, Any]:
     content = [*parts, {"type": "text", "text": "What happens here?"}]
     return {
-        "model": MODEL,
+        "model": model,
         "messages": [{"role": "user", "content": content}],
         "temperature": 0,
         "seed": 42,
@@ -64,7 +66,7 @@ def encode_on(
 ) -> dict[str, Any]:
     """What the middleware asks an encoder, from the test: the part with its uuid, the options."""
     body = {
-        "model": MODEL,
+        "model": encoder.served_name,
         "messages": [{"role": "user", "content": [part]}],
         "max_tokens": 1,
         **(options or {}),
@@ -132,7 +134,7 @@ def test_audio_equals_the_single_instance_and_pd_gets_no_samples(
     deployment: Deployment, kind: str, options: dict[str, Any] | None
 ) -> None:
     part = audio_part(deployment, kind)
-    body = request([part], options)
+    body = request([part], options, AUDIO_MODEL)
     baseline = chat(deployment.audio_single, body)
     record(f"single instance, audio ({kind}), {'non-default' if options else 'default'}", baseline)
     before = deployment.stored_hashes(deployment.audio_storage)
@@ -151,7 +153,8 @@ def test_audio_equals_the_single_instance_and_pd_gets_no_samples(
     [(reported, entry)] = reply["ec_transfer_params"].items()
     assert reported == stored
     assert entry["metadata"], "the encoder reports what a metadata-only reference needs"
-    rewritten = request([{"type": "audio_embeds", "audio_embeds": entry["metadata"], "uuid": uuid}], options)
+    reference = {"type": "audio_embeds", "audio_embeds": entry["metadata"], "uuid": uuid}
+    rewritten = request([reference], options, AUDIO_MODEL)
     rewritten["ec_transfer_params"] = reply["ec_transfer_params"]
     assert "base64" not in json.dumps(rewritten)
     direct = chat(deployment.audio_pd, rewritten)
@@ -165,7 +168,8 @@ def test_zz_audio_negative_control_dropping_the_options_fails(deployment: Deploy
     reply = encode_on(deployment.audio_encoder, {**part, "uuid": uuid}, None)
     [(reported, entry)] = reply["ec_transfer_params"].items()
     assert reported == uuid
-    body = request([{"type": "audio_embeds", "audio_embeds": entry["metadata"], "uuid": uuid}], AUDIO_OPTIONS)
+    reference = {"type": "audio_embeds", "audio_embeds": entry["metadata"], "uuid": uuid}
+    body = request([reference], AUDIO_OPTIONS, AUDIO_MODEL)
     body["ec_transfer_params"] = reply["ec_transfer_params"]
     try:
         response = chat(deployment.audio_pd, body)

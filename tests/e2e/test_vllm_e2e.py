@@ -237,12 +237,12 @@ def test_middleware_flag_loading_equals_the_single_instance(deployment: Deployme
 
 
 def test_an_encoder_serving_another_model_is_refused_with_a_clear_line(deployment: Deployment) -> None:
-    """pd_flag lists the two encoders and one started with --served-model-name other-model: the
-    middleware asked each for /v1/models at start-up, says which one it will not use and why, and
-    requests are answered through the right ones."""
-    other = deployment.encoder_other
+    """pd_flag lists the two encoders and the audio encoder (--served-model-name tiny-qwen2-audio,
+    another model path): the middleware asked each for /v1/models at start-up, says which one it will
+    not use and why, and requests are answered through the right ones."""
+    other = deployment.audio_encoder
     log = deployment.pd_flag.log_path.read_text(errors="replace")
-    assert f"encoder {other.url} is not used: it serves other-model" in log
+    assert f"encoder {other.url} is not used: it serves tiny-qwen2-audio" in log
     status = httpx.get(f"{deployment.pd_flag.url}/epd/status", timeout=30).json()
     assert status["encoders"][other.url]["model"]["state"] == "mismatch"
     assert {status["encoders"][server.url]["model"]["state"] for server in deployment.encoders} == {"ok"}
