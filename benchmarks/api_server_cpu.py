@@ -66,13 +66,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between requests")
     args = parser.parse_args()
-    python = lab.find_vllm_python()
-    if python is None:
-        raise SystemExit("set EPD_VLLM_PYTHON to the python of a vLLM install")
-    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
-    cache.mkdir(parents=True, exist_ok=True)
-    lab.install_project(python)
-    model = lab.ensure_tiny_model(python, cache)
+    python, model = lab.prepared()
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="epd-cpu-") as tmp:
         root = Path(tmp)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -27,13 +26,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--gap", type=float, default=1.5, help="seconds between requests")
     args = parser.parse_args()
-    python = lab.find_vllm_python()
-    if python is None:
-        raise SystemExit("set EPD_VLLM_PYTHON to the python of a vLLM install")
-    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
-    cache.mkdir(parents=True, exist_ok=True)
-    lab.install_project(python)
-    model = lab.ensure_tiny_model(python, cache)
+    python, model = lab.prepared()
     with tempfile.TemporaryDirectory(prefix="epd-bench-") as tmp:
         root = Path(tmp)
         storage, kv = root / "ec", root / "kv"

@@ -76,6 +76,18 @@ def ensure_tiny_model(python: str, cache_dir: Path, builder: str = "tiny_model")
     return out
 
 
+def prepared(builder: str = "tiny_model") -> tuple[str, Path]:
+    """The python of a vLLM install (this project installed into it) and a tiny model built for it, for
+    the benchmarks and the demo; SystemExit when no vLLM is found."""
+    python = find_vllm_python()
+    if python is None:
+        raise SystemExit("set EPD_VLLM_PYTHON to the python of a vLLM install (scripts/setup-vllm-cpu.sh)")
+    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
+    cache.mkdir(parents=True, exist_ok=True)
+    install_project(python)
+    return python, ensure_tiny_model(python, cache, builder)
+
+
 def ensure_media(python: str, cache_dir: Path) -> tuple[Path, Path]:
     """The test clip (mp4, made with the vLLM environment's OpenCV) and tone (wav), made once."""
     video, audio = cache_dir / "clip-16f-4fps.mp4", cache_dir / "tone-2s.wav"

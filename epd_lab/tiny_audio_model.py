@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from epd_lab.tiny_model import corpus
+from epd_lab.tiny_model import tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -40,9 +40,7 @@ CHAT_TEMPLATE = (
 
 def build(out: Path) -> Path:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
-        PreTrainedTokenizerFast,
         Qwen2AudioConfig,
         Qwen2AudioForConditionalGeneration,
         Qwen2AudioProcessor,
@@ -50,32 +48,13 @@ def build(out: Path) -> Path:
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    fast, ids, vocab_size = tokenizer(SPECIAL_TOKENS, CHAT_TEMPLATE)
     features = WhisperFeatureExtractor(
         feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400
     )
     processor = Qwen2AudioProcessor(feature_extractor=features, tokenizer=fast, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out)
     fast.save_pretrained(out)
-
-    vocab_size = (tokenizer.get_vocab_size() + 63) // 64 * 64
     config = Qwen2AudioConfig(
         audio_config={
             "model_type": "qwen2_audio_encoder",

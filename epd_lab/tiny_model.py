@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -55,33 +56,41 @@ def corpus() -> list[str]:
     return lines * 4
 
 
-def build(out: Path) -> Path:
-    import torch
+def tokenizer(special_tokens: list[str], chat_template: str) -> tuple[Any, dict[str, int], int]:
+    """A byte-level BPE trained on :func:`corpus` with these special tokens (the first is the pad token,
+    ``<|im_end|>`` the end of a turn): the fast tokenizer, the special tokens' ids, and a vocabulary size
+    rounded up to a multiple of 64."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import PreTrainedTokenizerFast
 
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=600,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus(), trainer)
+    bpe.train_from_iterator(corpus(), trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=bpe,
         eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        pad_token=special_tokens[0],
+        additional_special_tokens=special_tokens[1:],
     )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    fast.chat_template = chat_template
+    ids = {token: bpe.token_to_id(token) for token in special_tokens}
+    return fast, ids, (bpe.get_vocab_size() + 63) // 64 * 64
 
-    vocab_size = (tokenizer.get_vocab_size() + 63) // 64 * 64
+
+def build(out: Path) -> Path:
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    fast, ids, vocab_size = tokenizer(SPECIAL_TOKENS, CHAT_TEMPLATE)
+    fast.save_pretrained(out)
     config = Qwen2VLConfig(
         text_config={
             "hidden_size": 128,

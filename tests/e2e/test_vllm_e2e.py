@@ -98,6 +98,17 @@ def assert_same(response: httpx.Response, baseline: httpx.Response) -> None:
     assert a["usage"] == b["usage"]
 
 
+def assert_fails(case: str, server: lab.VLLMServer, body: dict[str, Any]) -> None:
+    """A request that must not succeed: an error status, or the engine dying under it."""
+    try:
+        response = chat(server, body)
+    except httpx.HTTPError as exc:  # the engine may die mid-request
+        REPORT.append({"case": case, "status": 0, "output": repr(exc)})
+        return
+    record(case, response)
+    assert response.status_code != 200
+
+
 def test_default_options_equal_the_single_instance(deployment: Deployment) -> None:
     body = seed_request(MODEL)
     baseline = chat(deployment.single, body)
@@ -636,13 +647,7 @@ def test_zz_video_negative_control_dropping_the_options_fails(deployment: Deploy
     assert reported == uuid
     body = request([{"type": "video_embeds", "video_embeds": entry["metadata"], "uuid": uuid}], VIDEO_OPTIONS)
     body["ec_transfer_params"] = reply["ec_transfer_params"]
-    try:
-        response = chat(deployment.control, body)
-    except httpx.HTTPError as exc:  # the engine may die mid-request
-        REPORT.append({"case": "video negative control (options dropped)", "status": 0, "output": repr(exc)})
-        return
-    record("video negative control (options dropped)", response)
-    assert response.status_code != 200
+    assert_fails("video negative control (options dropped)", deployment.control, body)
 
 
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
@@ -653,13 +658,7 @@ def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) 
     [reported] = reply["ec_transfer_params"]
     assert reported == uuid  # no options: vLLM keeps the uuid
     body = metadata_only_body(uuid, reply, NON_DEFAULT_OPTIONS)
-    try:
-        response = chat(deployment.control, body)
-    except httpx.HTTPError as exc:  # the engine may die mid-request
-        REPORT.append({"case": "negative control (options dropped)", "status": 0, "output": repr(exc)})
-        return
-    record("negative control (options dropped)", response)
-    assert response.status_code != 200
+    assert_fails("negative control (options dropped)", deployment.control, body)
 
 
 def test_zz_stopping_one_encoder_mid_run_loses_no_request(deployment: Deployment) -> None:
