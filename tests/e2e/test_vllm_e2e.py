@@ -178,7 +178,16 @@ def test_streaming_gives_the_same_text(deployment: Deployment) -> None:
 
 
 def served_requests(server: lab.VLLMServer) -> int:
-    return server.log_path.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
+    """Chat completions the server answered 200, from its access log once that stopped growing (uvicorn
+    writes a line after the response went out, so the last one may still be on its way)."""
+    count = -1
+    for _ in range(20):
+        latest = server.log_path.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
+        if latest == count:
+            return count
+        count = latest
+        time.sleep(0.15)
+    return count
 
 
 def test_responses_style_input_image_part_equals_the_single_instance(deployment: Deployment) -> None:
@@ -257,13 +266,14 @@ def test_an_encoder_serving_another_model_is_refused_with_a_clear_line(deploymen
     status = httpx.get(f"{deployment.pd_flag.url}/epd/status", timeout=30).json()
     assert status["encoders"][other.url]["model"]["state"] == "mismatch"
     assert {status["encoders"][server.url]["model"]["state"] for server in deployment.encoders} == {"ok"}
+    before = served_requests(other)
     for shift in (141, 147, 153):
         body = seed_request(MODEL, images=[image(shift=shift)])
         baseline = chat(deployment.single, body)
         response = chat(deployment.pd_flag, body)
         record(f"wrong-model encoder listed, shift {shift}", response, baseline)
         assert_same(response, baseline)
-    assert served_requests(other) == 0
+    assert served_requests(other) == before
     assert FALLBACK_LOG not in deployment.pd_flag.log_path.read_text(errors="replace")
 
 
@@ -364,10 +374,12 @@ def test_multi_turn_chat_sends_each_new_image_to_an_encoder_once(deployment: Dep
             sum(served_requests(server) for server in deployment.encoders),
             deployment.stored_hashes(),
         )
+        reused = pd_counter(deployment, "reused_items")
         response = chat(deployment.pd, body, AUTH)
         record(f"multi-turn, turn {turn} ({turn} images)", response, baseline)
         assert_same(response, baseline)
         assert sum(served_requests(server) for server in deployment.encoders) == before + 1
+        assert pd_counter(deployment, "reused_items") == reused + turn - 1  # every earlier image
         stored.append(deployment.stored_hashes() - hashes)
         assert len(stored[-1]) == 1  # this turn's image, under the hash derived from the options
         messages.append({"role": "assistant", "content": baseline.json()["choices"][0]["message"]["content"]})
@@ -375,11 +387,19 @@ def test_multi_turn_chat_sends_each_new_image_to_an_encoder_once(deployment: Dep
     shutil.rmtree(deployment.storage / first)
     baseline = chat(deployment.single, body)
     before = sum(served_requests(server) for server in deployment.encoders)
+    reused = pd_counter(deployment, "reused_items")
     response = chat(deployment.pd, body, AUTH)
     record("multi-turn, turn 4 again, turn 1 evicted", response, baseline)
     assert_same(response, baseline)
     assert sum(served_requests(server) for server in deployment.encoders) == before + 1
+    assert pd_counter(deployment, "reused_items") == reused + 3
     assert first in deployment.stored_hashes()
+
+
+def pd_counter(deployment: Deployment, name: str) -> int:
+    """One of the middleware's own counters on the plugin PD (one API-server process)."""
+    status = httpx.get(f"{deployment.pd.url}/epd/status", headers=AUTH, timeout=30).json()
+    return int(status["counters"].get(name, 0))
 
 
 def _encoded_total(server: lab.VLLMServer) -> float:
