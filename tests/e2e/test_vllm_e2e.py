@@ -181,12 +181,12 @@ def served_requests(server: lab.VLLMServer) -> int:
     """Chat completions the server answered 200, from its access log once that stopped growing (uvicorn
     writes a line after the response went out, so the last one may still be on its way)."""
     count = -1
-    for _ in range(20):
+    for _ in range(10):
         latest = server.log_path.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
         if latest == count:
             return count
         count = latest
-        time.sleep(0.15)
+        time.sleep(0.5)  # twelve servers share two cores here: a line can come late
     return count
 
 
@@ -370,15 +370,16 @@ def test_multi_turn_chat_sends_each_new_image_to_an_encoder_once(deployment: Dep
         body = {"model": MODEL, "messages": list(messages), "temperature": 0, "seed": 42, "max_tokens": 8}
         body.update(NON_DEFAULT_OPTIONS)
         baseline = chat(deployment.single, body)
-        before, hashes = (
-            sum(served_requests(server) for server in deployment.encoders),
+        # The middleware's own counters: exact, where the encoders' access logs can lag under load.
+        calls, reused, hashes = (
+            pd_counter(deployment, "encoder_calls_ok"),
+            pd_counter(deployment, "reused_items"),
             deployment.stored_hashes(),
         )
-        reused = pd_counter(deployment, "reused_items")
         response = chat(deployment.pd, body, AUTH)
         record(f"multi-turn, turn {turn} ({turn} images)", response, baseline)
         assert_same(response, baseline)
-        assert sum(served_requests(server) for server in deployment.encoders) == before + 1
+        assert pd_counter(deployment, "encoder_calls_ok") == calls + 1  # one image: this turn's
         assert pd_counter(deployment, "reused_items") == reused + turn - 1  # every earlier image
         stored.append(deployment.stored_hashes() - hashes)
         assert len(stored[-1]) == 1  # this turn's image, under the hash derived from the options
@@ -386,12 +387,11 @@ def test_multi_turn_chat_sends_each_new_image_to_an_encoder_once(deployment: Dep
     [first] = stored[0]
     shutil.rmtree(deployment.storage / first)
     baseline = chat(deployment.single, body)
-    before = sum(served_requests(server) for server in deployment.encoders)
-    reused = pd_counter(deployment, "reused_items")
+    calls, reused = pd_counter(deployment, "encoder_calls_ok"), pd_counter(deployment, "reused_items")
     response = chat(deployment.pd, body, AUTH)
     record("multi-turn, turn 4 again, turn 1 evicted", response, baseline)
     assert_same(response, baseline)
-    assert sum(served_requests(server) for server in deployment.encoders) == before + 1
+    assert pd_counter(deployment, "encoder_calls_ok") == calls + 1
     assert pd_counter(deployment, "reused_items") == reused + 3
     assert first in deployment.stored_hashes()
 
