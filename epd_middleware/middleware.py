@@ -298,8 +298,7 @@ class _ServerFacts:
         if not self._config.check_embeddings:
             return None
         if self._storage is _UNRESOLVED:
-            app = scope.get("app")
-            vllm_config = getattr(getattr(app, "state", None), "vllm_config", None)
+            vllm_config = _vllm_config(scope)
             if vllm_config is None:
                 return None  # not known yet (or not inside vLLM): look again next time
             self._storage = example_connector_storage(vllm_config)
@@ -313,7 +312,7 @@ class _ServerFacts:
 
     def _mooncake(self, scope: Scope) -> MooncakeConsumers | None:
         if self._consumers is _UNRESOLVED:
-            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            vllm_config = _vllm_config(scope)
             if vllm_config is None:
                 return None  # not known yet (or not inside vLLM): look again next time
             self._consumers = mooncake_consumers(vllm_config)
@@ -326,7 +325,7 @@ class _ServerFacts:
         ``expected_model``; None when neither is known (yet) or the check is off."""
         if not self._config.check_models:
             return None
-        vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+        vllm_config = _vllm_config(scope)
         if vllm_config is not None:
             found = expectation_of_vllm(vllm_config)
             if found is not None:
@@ -338,7 +337,7 @@ class _ServerFacts:
         """Whether this server can take a KV cache another server prefilled (``kv_consumer`` or
         ``kv_both``); True outside vLLM, where nothing says otherwise."""
         if self._kv_consumer is None:
-            vllm_config = getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
+            vllm_config = _vllm_config(scope)
             if vllm_config is None:
                 return True  # not known yet (or not inside vLLM): look again next time
             role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
@@ -649,6 +648,11 @@ class _RequestIds:
 
 
 _new_request_id = _RequestIds()
+
+
+def _vllm_config(scope: Scope) -> object | None:
+    """The configuration of the vLLM server the middleware runs in (its app's state), if any."""
+    return getattr(getattr(scope.get("app"), "state", None), "vllm_config", None)
 
 
 def _route_path(scope: Scope) -> str:

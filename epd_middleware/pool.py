@@ -128,9 +128,6 @@ class ServerPool:
                 f"; removed {sorted(old - self._member_set)}" if old - self._member_set else "",
             )
 
-    def is_member(self, url: str) -> bool:
-        return url in self._member_set
-
     def _record(self, url: str) -> _Health:
         health = self._health.get(url)
         if health is None:
