@@ -228,13 +228,14 @@ class Stats:
             self._child(self._prom.pools[role].model_ok, server).set(1 if ok else 0)
 
     def forget(self, role: str, server: str) -> None:
-        """A server left the pool: its health series goes (a gauge would otherwise keep its last
-        value forever)."""
+        """A server left the pool: its health and model series go (a gauge would otherwise keep its
+        last value forever)."""
         if self._prom is not None:
-            metric = self._prom.pools[role].healthy
-            self._children.pop((id(metric), server), None)
-            with contextlib.suppress(KeyError):
-                metric.remove(server)
+            pool = self._prom.pools[role]
+            for metric in (pool.healthy, pool.model_ok):
+                self._children.pop((id(metric), server), None)
+                with contextlib.suppress(KeyError):
+                    metric.remove(server)
 
     def health(self, role: str, server: str, healthy: bool) -> None:
         if self._prom is not None:
