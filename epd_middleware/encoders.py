@@ -84,6 +84,8 @@ async def encode(
             if siblings is not None and (not exc.retryable or stop_at_first_failure):
                 siblings.cancel()
 
+    if not calls:  # everything reused, or no encoder (the local policy): nothing to wait for
+        return EncodeOutcome({})
     with anyio.move_on_after(deadline) as expired:
         if len(calls) == 1:
             await run(0, None)  # the common case: no task to spawn

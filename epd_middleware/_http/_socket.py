@@ -77,6 +77,7 @@ class Connection:
             try:
                 return tls.obj.read(_RECEIVE_SIZE)
             except ssl.SSLWantReadError:
+                await self._flush()  # what TLS itself wants sent first (a key update's answer, say)
                 data = await self._receive_raw()
                 if data:
                     tls.incoming.write(data)
