@@ -191,13 +191,7 @@ class EPDMiddleware:
         """Whether media is reused (the answer for a request on this server without a pinned Mooncake
         rank), why not when it is not, and the cache's figures."""
         server = self._server
-        context = RequestContext(
-            client=self._clients.open(),
-            request_id="",
-            storage=server.storage(scope),
-            push_to="(push)" if server.pushes(scope) else None,
-        )
-        blocker = self._pipeline.reuse_blocker(context)
+        blocker = self._pipeline.reuse_blocker(server.storage(scope), pushed=server.pushes(scope))
         cache = self._pipeline.reuse
         return {
             "enabled": blocker is None,

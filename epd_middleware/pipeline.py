@@ -208,7 +208,7 @@ class Pipeline:
         )
         reuse_keys: dict[ItemKey, ReuseKey] = {}
         reused: dict[ItemKey, Handle] = {}
-        if self.reuse_blocker(context) is None:
+        if self.reuse_blocker(context.storage, pushed=context.push_to is not None) is None:
             assert context.storage is not None
             common = request_key(request.fields)
             reuse_keys = {(item.modality, item.uuid): (item.modality, item.uuid, common) for item in items}
@@ -280,13 +280,14 @@ class Pipeline:
             )
         return fields
 
-    def reuse_blocker(self, context: RequestContext) -> str | None:
-        """Why this request's media may not be taken from the reuse cache, or None when it may."""
+    def reuse_blocker(self, storage: str | None, *, pushed: bool) -> str | None:
+        """Why media may not be taken from the reuse cache (given where embeddings are checked, and
+        whether encoders push them), or None when it may."""
         if not self.config.reuse_handles:
             return "off (reuse_handles=false)"
-        if context.push_to is not None:
+        if pushed:
             return "off: Mooncake push (a pushed embedding cannot be checked before it is referenced)"
-        if context.storage is None:
+        if storage is None:
             return (
                 "off: no embedding storage to check (only ECExampleConnector with check_embeddings "
                 "lets the middleware confirm an embedding is still there)"
