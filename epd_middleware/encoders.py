@@ -18,7 +18,7 @@ import anyio
 from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
 from .handles import Handle, ItemKey, match_reply
 from .plan import EncoderCall
-from .pool import Attempt, ServerPool
+from .pool import Attempt, DeadlinePassed, ServerPool
 from .protocol import CHAT_COMPLETIONS_PATH, EC_TRANSFER_PARAMS, embedding_stored, example_connector_file
 from .transport import Body, Transport
 
@@ -75,8 +75,20 @@ async def encode(
 
         try:
             results[index] = await pool.call(
-                client, call.encoder, CHAT_COMPLETIONS_PATH, attempt, headers[index], call.preferred
+                client,
+                call.encoder,
+                CHAT_COMPLETIONS_PATH,
+                attempt,
+                headers[index],
+                call.preferred,
+                deadline=ends,
             )
+        except DeadlinePassed:
+            failures[index] = UpstreamTimeout(
+                call.encoder, f"the request's encode deadline of {deadline:g} s passed"
+            )
+            if siblings is not None and stop_at_first_failure:
+                siblings.cancel()
         except UpstreamError as exc:
             failures[index] = exc
             if not exc.retryable:
@@ -86,21 +98,17 @@ async def encode(
 
     if not calls:  # everything reused, or no encoder (the local policy): nothing to wait for
         return EncodeOutcome({})
-    with anyio.move_on_after(deadline) as expired:
-        if len(calls) == 1:
-            await run(0, None)  # the common case: no task to spawn
-        else:
-            async with anyio.create_task_group() as group:
-                for index in range(len(calls)):
-                    group.start_soon(run, index, group.cancel_scope)
+    # Each call carries the deadline into its own cancel scope (pool.py) rather than one more scope
+    # around them all here.
+    ends = anyio.current_time() + deadline
+    if len(calls) == 1:
+        await run(0, None)  # the common case: no task to spawn
+    else:
+        async with anyio.create_task_group() as group:
+            for index in range(len(calls)):
+                group.start_soon(run, index, group.cancel_scope)
     if rejected:
         raise rejected[0]
-    if expired.cancelled_caught:
-        for index, call in enumerate(calls):
-            if not results[index] and index not in failures:
-                failures[index] = UpstreamTimeout(
-                    call.encoder, f"the request's encode deadline of {deadline:g} s passed"
-                )
     if failures and stop_at_first_failure:
         raise failures[min(failures)]
     handles = {key: handle for result in results for key, handle in result.items()}
