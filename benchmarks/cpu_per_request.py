@@ -1,18 +1,22 @@
 """CPU time per request in each process of the perf rig, at concurrency 16: where the work goes.
 
-    .venv/bin/python -m benchmarks.cpu_per_request
+    .venv/bin/python -m benchmarks.cpu_per_request [--rounds N]
 
 Runs the fake encoder, the bare engine and the engine with EPDMiddleware as in ``benchmarks.perf``, sends
 the same 1-image and 8-image requests the direct way (load generator -> encoder, then the rewritten
 request -> engine), through the middleware, and through the relay (the least an in-engine design can
 do), and reads each process's user + system CPU time from /proc before and after. On a machine whose
-cores are all busy, throughput is bounded by the total.
+cores are all busy, throughput is bounded by the total. With ``--rounds`` above 1 the three paths run in
+interleaved rounds and each figure is the median over rounds (this machine's speed drifts by 10-20%
+within minutes: side by side in one run is what compares).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -35,7 +39,7 @@ def _own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def main() -> None:
+async def main(rounds: int) -> None:
     rig = Rig()
     try:
         encoder, engine = rig.start("encoder"), rig.start("engine")
@@ -54,26 +58,34 @@ async def main() -> None:
         for images in (1, 8):
             case = Case(f"{images} image", chat_request([noise_png(150_000, 10 + i) for i in range(images)]))
             await prepare_direct(case, encoder, client)
-            requests = 1200 if images == 1 else 300
+            requests = (1200 if images == 1 else 300) // rounds
             assert case.encoder_body is not None
-            for name, send in (
-                ("direct", direct(encoder, engine, case)),
-                ("epd", poster(epd, case.body)),
-                ("relay", poster(relay, case.encoder_body)),
-            ):
-                before = {key: _cpu_of(pid) for key, pid in pids.items()}
-                own, started = _own_cpu(), time.perf_counter()
-                await load(send, requests, 16)
-                wall = time.perf_counter() - started
-                per = {key: (_cpu_of(pid) - before[key]) / requests * 1000 for key, pid in pids.items()}
-                per["load generator"] = (_own_cpu() - own) / requests * 1000
+            paths = {
+                "direct": direct(encoder, engine, case),
+                "epd": poster(epd, case.body),
+                "relay": poster(relay, case.encoder_body),
+            }
+            measured: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
+            for _ in range(rounds):
+                for name, send in paths.items():
+                    before = {key: _cpu_of(pid) for key, pid in pids.items()}
+                    own, started = _own_cpu(), time.perf_counter()
+                    await load(send, requests, 16)
+                    wall = time.perf_counter() - started
+                    per = {key: (_cpu_of(pid) - before[key]) / requests * 1000 for key, pid in pids.items()}
+                    per["load generator"] = (_own_cpu() - own) / requests * 1000
+                    per["req/s"] = requests / wall
+                    measured[name].append(per)
+            for name, samples in measured.items():
+                per = {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
+                rate = per.pop("req/s")
                 shares = ", ".join(f"{key} {value:.2f}" for key, value in per.items() if value >= 0.005)
-                print(
-                    f"{case.name:9} {name:7} {requests / wall:6.0f}  {shares}; total {sum(per.values()):.2f}"
-                )
+                print(f"{case.name:9} {name:7} {rate:6.0f}  {shares}; total {sum(per.values()):.2f}")
     finally:
         rig.stop()
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    anyio.run(main, parser.parse_args().rounds)

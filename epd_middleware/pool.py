@@ -442,7 +442,7 @@ class ServerPool:
         # managers.
         limit = anyio.current_time() + timeout
         by_deadline = deadline is not None and deadline < limit
-        bound = anyio.CancelScope(deadline=deadline if by_deadline else limit)
+        bound = anyio.CancelScope(deadline=min(limit, deadline) if deadline is not None else limit)
         try:
             with bound:
                 limiter = self._limiter(server)
@@ -468,6 +468,8 @@ class ServerPool:
                 raise TimeoutError
         except TimeoutError:
             raise UpstreamTimeout(server, f"no answer within {timeout:g} s", role=role) from None
+        except DeadlinePassed:
+            raise
         except HTTPError as exc:
             raise UpstreamUnavailable(server, exc.reason, role=role) from None
         except Exception as exc:

@@ -213,6 +213,38 @@ async def test_encode_deadline_bounds_the_whole_request() -> None:
     assert response.status_code == 504
     assert "deadline" in response.json()["error"]["message"]
     assert anyio.current_time() - start < 2
+    assert len(encoders.calls) == 1  # no other encoder tried once the deadline passed
+
+
+async def test_encode_deadline_under_local_policy_leaves_every_call_to_the_engine_and_blames_no_encoder() -> (
+    None
+):
+    """Two calls in flight on two hanging encoders when the request's deadline passes: both items go to
+    the engine as sent, quickly, and neither encoder counts a failure (the deadline is the request's)."""
+    encoders, engine = FakeEncoders([E0, E1], mode={E0: "hang", E1: "hang"}), FakeEngine()
+    app, _ = build_app(
+        encoders,
+        engine,
+        encoder_timeout=10,
+        encode_deadline=0.3,
+        max_batch_size=1,
+        on_encoder_failure="local",
+        eject_after=1,
+    )
+    middleware = app.build_middleware_stack()
+    start = anyio.current_time()
+    response = await post(middleware, chat_body(image(png(1)), image(png(2))))
+    assert response.status_code == 200
+    assert anyio.current_time() - start < 2
+    assert sorted(call.encoder for call in encoders.calls) == [E0, E1]
+    parts = media_parts(engine.received[0].json)
+    assert [part["type"] for part in parts] == ["image_url", "image_url"]
+    counters = _middleware(middleware).pipeline.counters
+    assert counters["fallback_items"] == 2
+    assert not any(name.startswith("encoder_calls_") for name in counters), counters
+    snapshot = _pool(middleware).snapshot(anyio.current_time())
+    assert snapshot[E0]["healthy"] is True
+    assert snapshot[E1]["healthy"] is True
 
 
 async def test_engine_500_before_the_first_byte_is_retried_once() -> None:
