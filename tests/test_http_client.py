@@ -103,6 +103,37 @@ async def test_a_body_in_pieces_arrives_whole(sizes: tuple[int, ...]) -> None:
     assert b"content-length: %d" % len(whole) in heads[0].split(b"\r\n")
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        (8 << 20, 8 << 20, 8 << 20),  # more than the kernel takes at once: the rest through the stream
+        tuple(100 + n % 7 for n in range(2500)),  # more pieces than one writev takes
+    ],
+    ids=["larger-than-the-socket-buffer", "more-pieces-than-iov-max"],
+)
+async def test_a_body_the_socket_cannot_take_at_once_arrives_whole_and_in_order(
+    sizes: tuple[int, ...],
+) -> None:
+    """Pieces go straight into the socket while it takes them; once it does not, the rest goes through the
+    stream and so does everything after it on that connection: no byte overtakes another, then or on the
+    next requests of the kept-alive connection."""
+    pieces: list[bytes | memoryview] = [
+        memoryview(bytes([65 + n % 26]) * size) if n % 2 else bytes([65 + n % 26]) * size
+        for n, size in enumerate(sizes)
+    ]
+    small = [b"x" * 10, memoryview(b"y" * 20)]
+    bodies: list[bytes] = []
+    async with scripted_server(lambda n, head: ok(), bodies) as (url, _, connections):
+        client = HTTPClient(connect_timeout=1)
+        for body in (pieces, small, pieces, small):
+            assert (await client.request("POST", f"{url}/x", body))[0] == 200
+        await client.aclose()
+    whole, little = b"".join(pieces), b"".join(small)
+    assert [len(body) for body in bodies] == [len(whole), len(little), len(whole), len(little)]
+    assert bodies == [whole, little, whole, little]
+    assert connections == [1, 1, 1, 1]
+
+
 async def test_chunked_and_close_delimited_answers() -> None:
     answers = {
         1: b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
