@@ -49,13 +49,15 @@ class _TLS:
 class Connection:
     """A connected stream; ``idle_since`` is set by the pool."""
 
-    __slots__ = ("_direct", "_poll", "_queued", "_stream", "_tls", "idle_since")
+    __slots__ = ("_direct", "_fd", "_poll", "_queued", "_stream", "_tls", "idle_since")
 
     def __init__(self, stream: anyio.abc.SocketStream) -> None:
         self._stream = stream
         self._tls: _TLS | None = None
+        # Looked up once: anyio builds its table of extra attributes on every ``extra`` call.
+        self._fd = stream.extra(SocketAttribute.raw_socket).fileno()
         self._poll = select.poll()
-        self._poll.register(stream.extra(SocketAttribute.raw_socket).fileno(), select.POLLIN)
+        self._poll.register(self._fd, select.POLLIN)
         self._queued = _queue_probe(stream)
         self._direct = True  # writes may go straight to the socket (nothing waits in the stream's buffer)
         self.idle_since = 0.0
@@ -101,7 +103,7 @@ class Connection:
         bare wait for writability is refused on a descriptor an asyncio transport owns); from then on
         this connection writes only through the stream, whose buffer a direct write could overtake."""
         if self._direct:
-            fd = self._stream.extra(SocketAttribute.raw_socket).fileno()
+            fd = self._fd
             views = [memoryview(piece).cast("B") for piece in pieces if len(piece)]
             while views:
                 batch = views[:_IOV_MAX]
