@@ -83,18 +83,18 @@ async def encode(
                 call.preferred,
                 deadline=ends,
             )
+            return
         except DeadlinePassed:
-            failures[index] = UpstreamTimeout(
+            failure: UpstreamError = UpstreamTimeout(
                 call.encoder, f"the request's encode deadline of {deadline:g} s passed"
             )
-            if siblings is not None and stop_at_first_failure:
-                siblings.cancel()
         except UpstreamError as exc:
-            failures[index] = exc
-            if not exc.retryable:
-                rejected.append(exc)
-            if siblings is not None and (not exc.retryable or stop_at_first_failure):
-                siblings.cancel()
+            failure = exc
+        failures[index] = failure
+        if not failure.retryable:
+            rejected.append(failure)
+        if siblings is not None and (not failure.retryable or stop_at_first_failure):
+            siblings.cancel()
 
     if not calls:  # everything reused, or no encoder (the local policy): nothing to wait for
         return EncodeOutcome({})
