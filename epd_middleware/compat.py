@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from .transport import HTTPError, Transport
+from .transport import HTTPError, Transport, UnsendableRequest
 
 __all__ = ["Expectation", "ModelCheck", "check_models", "expectation_of_vllm"]
 
@@ -84,7 +84,7 @@ async def check_models(
             status, content = await client.request("GET", f"{url}{MODELS_PATH}", headers=headers)
     except TimeoutError:
         return ModelCheck("unreachable", f"no answer to GET {MODELS_PATH} within {limit:g} s", limit)
-    except HTTPError as exc:
+    except (HTTPError, UnsendableRequest) as exc:
         return ModelCheck("unreachable", exc.reason, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     if status != 200:
@@ -93,7 +93,7 @@ async def check_models(
         models: Any = _decode(content)["data"]
         ids = [str(model["id"]) for model in models]
         roots = [str(model.get("root") or "") for model in models]
-    except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
+    except (msgspec.DecodeError, RecursionError, KeyError, TypeError, AttributeError):
         return ModelCheck("unreachable", f"GET {MODELS_PATH} answered no model list", seconds)
     served = ", ".join(f"{name} ({root})" if root else name for name, root in zip(ids, roots, strict=True))
     if expectation is None:

@@ -33,7 +33,8 @@ class EPDConfig(BaseModel):
     take comma-separated values (``EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001``).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Inputs stay out of validation messages: they may hold keys, or credentials in a URL.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     encoders: tuple[str, ...] = Field(
         default=(),
@@ -334,6 +335,14 @@ class EPDConfig(BaseModel):
         cleaned = []
         for url in urls:
             parts = urlsplit(url)
+            if "@" in parts.netloc:
+                # Credentials in a URL would show wherever the URL does (errors, the status page, metric
+                # labels), and no call would send them: refused, and the secret never repeated.
+                shown = f"{parts.scheme}://...@{parts.netloc.rpartition('@')[2]}"
+                raise ValueError(
+                    f"{role} URL {shown!r} carries credentials (user:password@); give the servers' key as "
+                    "encoder_api_key (EPD_ENCODER_API_KEY) instead"
+                )
             if parts.scheme not in ("http", "https", "dns+http", "dns+https") or not parts.netloc:
                 raise ValueError(f"{role} URL {url!r} is not an http(s) or dns+http(s) URL with a host")
             if parts.query or parts.fragment:
@@ -390,6 +399,14 @@ class EPDConfig(BaseModel):
         if path and not path.startswith("/"):
             raise ValueError(f"status_path {path!r} must start with '/' (or be empty to turn it off)")
         return path
+
+    @field_validator("encoder_api_key")
+    @classmethod
+    def _check_encoder_key(cls, key: str | None) -> str | None:
+        if key is not None and (not key.isprintable() or not key.isascii() or key != key.strip()):
+            # It goes into a header line of every call: only visible ASCII and inner spaces can.
+            raise ValueError("encoder_api_key must be printable ASCII without leading or trailing spaces")
+        return key
 
     @property
     def encoder_authorization(self) -> str | None:

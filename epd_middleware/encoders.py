@@ -51,11 +51,15 @@ async def encode(
     *,
     deadline: float,
     storage: str | None,
+    expected: Mapping[ItemKey, str] | None = None,
     stop_at_first_failure: bool,
 ) -> EncodeOutcome:
     """Run every call concurrently, each with failover, all within ``deadline`` seconds.
 
-    ``request_of`` builds a call's body afresh for every try. A call that an encoder rejected as a bad
+    ``request_of`` builds a call's body afresh for every try. ``expected``: the identifier the engine
+    will give an item, where known; a reply that reports another hash for it is a bad reply (the encoder
+    derives hashes otherwise than this server: another model path, hasher or ``--media-io-kwargs``), and
+    so is one whose embedding is not in ``storage``. A call that an encoder rejected as a bad
     request (400, 404, 413, 422 ...) is raised at once. With ``stop_at_first_failure`` the first call
     that failed for good is raised and its siblings are cancelled; otherwise failed calls are returned
     for the fallback policy to handle.
@@ -70,7 +74,8 @@ async def encode(
         def attempt() -> Attempt[dict[ItemKey, Handle]]:
             request = request_of(call)
             return Attempt(
-                request.body, lambda server, reply: _handles(server, call, request, reply, storage)
+                request.body,
+                lambda server, reply: _handles(server, call, request, reply, storage, expected or {}),
             )
 
         try:
@@ -116,9 +121,23 @@ async def encode(
 
 
 def _handles(
-    server: str, call: EncoderCall, request: EncoderRequest, reply: dict[str, Any], storage: str | None
+    server: str,
+    call: EncoderCall,
+    request: EncoderRequest,
+    reply: dict[str, Any],
+    storage: str | None,
+    expected: Mapping[ItemKey, str],
 ) -> dict[ItemKey, Handle]:
     handles = match_reply(server, call.items, reply.get(EC_TRANSFER_PARAMS))
+    for key, handle in handles.items():
+        identifier = expected.get(key)
+        if identifier is not None and handle.mm_hash != identifier:
+            raise UpstreamBadReply(
+                server,
+                f"reported hash {handle.mm_hash[:80]!r} for an item this server identifies as "
+                f"{identifier[:80]!r} (the encoder derives hashes otherwise: another model path, "
+                "--mm-hasher-algorithm or --media-io-kwargs)",
+            )
     if storage is not None:
         _check_stored(server, handles, storage)
     if request.transfer_ids is not None:

@@ -14,10 +14,16 @@ __all__ = [
     "BodyTooLarge",
     "EPDError",
     "ForbiddenTarget",
+    "MediaRefused",
     "NoHealthyUpstream",
     "Overloaded",
+    "RefusedField",
+    "RequestNotSendable",
     "TooManyMediaItems",
     "Unauthorized",
+    "UnreadableRequest",
+    "UnresolvableReference",
+    "UnwritableRequest",
     "UpstreamBadReply",
     "UpstreamError",
     "UpstreamRejected",
@@ -46,7 +52,13 @@ class EPDError(Exception):
     def error_type(self) -> str:
         # vLLM names its error types after the status phrase ("BadRequestError"); follow it so clients
         # see one convention whether the error came from vLLM or from the middleware.
-        return HTTPStatus(self.status).phrase.replace(" ", "").replace("-", "") + "Error"
+        # A status Python does not name (an encoder's 419 or 499, passed on as it came) is named by its
+        # class, never by an exception here.
+        try:
+            phrase = HTTPStatus(self.status).phrase
+        except ValueError:
+            phrase = "Client" if 400 <= self.status < 500 else "Server"
+        return phrase.replace(" ", "").replace("-", "") + "Error"
 
     def body(self) -> bytes:
         return _encode(
@@ -79,6 +91,49 @@ class TooManyMediaItems(EPDError):
         super().__init__(
             f"the request has {count} media parts, more than the limit of {limit}", param="messages"
         )
+
+
+class RefusedField(EPDError):
+    """A request field the middleware does not pass on (it would reach the engine unchecked)."""
+
+    status = 400
+
+
+class MediaRefused(EPDError):
+    """A media URL this server's media policy refuses (vLLM's ``--allowed-media-domains``,
+    ``--allowed-local-media-path``), with vLLM's own message."""
+
+    status = 400
+
+
+class UnresolvableReference(EPDError):
+    """A metadata-only part of the client's own whose embedding this server does not have or cannot
+    confirm: the engine would have nothing to take it from."""
+
+    status = 400
+
+
+class UnreadableRequest(EPDError):
+    """A body whose shape the middleware cannot read where it must look, holding what it must handle
+    (media, an embedding reference, transfer parameters): passing it on unread would let the engine act
+    on what the middleware never checked."""
+
+    status = 400
+
+    def __init__(self, found: str) -> None:
+        super().__init__(
+            f"the request holds {found} in a shape this server does not read; media, embedding "
+            "references and transfer parameters are taken only in the shapes vLLM documents"
+        )
+
+
+class UnwritableRequest(EPDError):
+    """A body the middleware read but cannot write again for the engine (nested too deeply)."""
+
+    status = 400
+
+    def __init__(self) -> None:
+        super().__init__("the request is nested too deeply to be passed on")
 
 
 class Unauthorized(EPDError):
@@ -173,3 +228,17 @@ class UpstreamBadReply(UpstreamError):
     """The server answered 200 with a body the middleware cannot use, or an embedding that is missing."""
 
     outcome = "bad_reply"
+
+
+class RequestNotSendable(UpstreamError):
+    """The request could not be written to the server (a header it carries cannot go into HTTP/1.1):
+    nothing was sent, the server is not blamed and no other server would fare better."""
+
+    status = 400
+    retryable = False
+    outcome = "not_sent"
+
+    def __init__(self, server: str, reason: str, *, role: str = "encoder") -> None:
+        super().__init__(server, reason, role=role)
+        self.message = f"the request cannot be sent to {role} {server}: {reason}"
+        self.args = (self.message,)

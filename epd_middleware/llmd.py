@@ -28,6 +28,7 @@ __all__ = [
     "ROLE_LABEL",
     "SCHEDULER_HEADERS",
     "header_values",
+    "port_number",
     "split_host_port",
     "url_host_port",
 ]
@@ -92,7 +93,8 @@ def split_host_port(entry: str) -> tuple[str, int] | None:
         host, colon, port_text = entry.rpartition(":")
         if not colon or ":" in host:
             return None
-    if not port_text.isdigit() or len(port_text) > 5 or not 0 < int(port_text) < 65536:
+    port = port_number(port_text)
+    if port is None:
         return None
     host = host.lower()
     try:
@@ -104,7 +106,16 @@ def split_host_port(entry: str) -> tuple[str, int] | None:
         if entry.startswith("[") != (address.version == 6):
             return None  # IPv6 only in brackets, IPv4 never
         host = str(address)  # one spelling per address
-    return host, int(port_text)
+    return host, port
+
+
+def port_number(text: str) -> int | None:
+    """A TCP port written in ASCII digits (1-65535), else None. ``str.isdigit`` alone is not enough: it
+    is true of superscripts and other scripts' digits (``"80\u00b2"``), which ``int`` refuses or reads."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 5:
+        return None
+    port = int(text)
+    return port if 0 < port < 65536 else None
 
 
 _HOSTNAME = re.compile(

@@ -6,6 +6,7 @@ into responses. It knows nothing of message formats: the request path lives in
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import itertools
 import os
@@ -25,8 +26,10 @@ from ._rawjson import text_of
 from .compat import Expectation, expectation_of_vllm
 from .config import EPDConfig, EPDOptions
 from .errors import BodyTooLarge, EPDError, Unauthorized
+from .identifiers import IdentifierRule
 from .llmd import SCHEDULER_HEADERS
 from .logs import adopt_vllm_logging, logger
+from .media_policy import MediaPolicy
 from .pipeline import Pipeline, RequestContext
 from .protocol import (
     DATA_PARALLEL_RANK_HEADER,
@@ -46,6 +49,7 @@ __all__ = ["EPDMiddleware"]
 _JSON = b"application/json"
 _encode = msgspec.json.Encoder().encode
 _UNRESOLVED = object()
+_OUTSIDE_VLLM = IdentifierRule()
 
 
 class EPDMiddleware:
@@ -95,7 +99,7 @@ class EPDMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scheduled: list[tuple[bytes, bytes]] | None = None
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             headers = scope["headers"]
             if any(name in SCHEDULER_HEADERS for name, _ in headers):
                 # A scheduler's routing headers (or a client's forgery of them) reach nobody but the
@@ -118,16 +122,29 @@ class EPDMiddleware:
             return None
         for name, value in scope["headers"]:
             if name == b"content-type":
-                return surface if value.split(b";", 1)[0].strip().lower() == _JSON else None
+                # vLLM's own rule (validate_json_request): the first content-type header, lower-cased,
+                # up to its first ';'. Anything else it answers 415 without reading the body.
+                return surface if value.lower().split(b";", 1)[0] == _JSON else None
         return None
 
     def _authorized(self, scope: Scope) -> bool:
+        """vLLM's own rule (``AuthenticationMiddleware``): the first Authorization header, a scheme of
+        any case equal to "bearer", one space, then a key as it is; digests compared in constant time
+        against every key (no early exit: which key matched does not show in the time taken)."""
         keys = self._server.api_keys(scope)
         if not keys:
             return True
         for name, value in scope["headers"]:
             if name == b"authorization":
-                return any(hmac.compare_digest(value, key) for key in keys)
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return False
+                # As vLLM reads it: the header's Latin-1 text, hashed as UTF-8.
+                digest = hashlib.sha256(token.decode("latin-1").encode()).digest()
+                matched = False
+                for key in keys:
+                    matched |= hmac.compare_digest(digest, key)
+                return matched
         return False
 
     async def _status(self, scope: Scope, send: Send) -> None:
@@ -279,13 +296,38 @@ class _ServerFacts:
         self._consumers: object = _UNRESOLVED
         self._kv_consumer: bool | None = None
         self._next_rank = 0
+        self._identifiers: IdentifierRule | None = None
+        self._media_policy: MediaPolicy | None = None
+
+    def identifiers(self, scope: Scope) -> IdentifierRule:
+        """How the engine identifies media items: vLLM's rule with this server's model path and
+        options; outside vLLM only what needs no model path (an item without hash factors)."""
+        if self._identifiers is None:
+            vllm_config = _vllm_config(scope)
+            if vllm_config is None:
+                return _OUTSIDE_VLLM  # not known yet (or not inside vLLM): look again next time
+            self._identifiers = IdentifierRule.of_vllm(vllm_config)
+        return self._identifiers
+
+    def media_policy(self, scope: Scope) -> MediaPolicy | None:
+        """The server's --allowed-media-domains and --allowed-local-media-path; None outside vLLM."""
+        if self._media_policy is None:
+            vllm_config = _vllm_config(scope)
+            if vllm_config is None:
+                return None
+            self._media_policy = MediaPolicy.of_vllm(vllm_config)
+        return self._media_policy
 
     def api_keys(self, scope: Scope) -> tuple[bytes, ...]:
+        """SHA-256 digests of every key accepted: the configured ones and vLLM's ``--api-key`` (a list
+        from vLLM's command line; a plain string from older versions and custom launchers)."""
         if self._keys is None:
             args = getattr(getattr(scope.get("app"), "state", None), "args", None)
             cli_keys = getattr(args, "api_key", None) or []
+            if isinstance(cli_keys, str):
+                cli_keys = [cli_keys]
             keys = [*self._config.api_keys, *(key for key in cli_keys if isinstance(key, str) and key)]
-            self._keys = tuple(f"Bearer {key}".encode() for key in dict.fromkeys(keys))
+            self._keys = tuple(hashlib.sha256(key.encode()).digest() for key in dict.fromkeys(keys) if key)
         return self._keys
 
     def storage(self, scope: Scope) -> str | None:
@@ -413,13 +455,13 @@ class _Exchange:
                     pipeline.stats.request("prefill_header_ignored")
                     self.route = Route(self.route.encoders, None)
             body = await self._read_body()
+            request = pipeline.parse(self.surface, body, self.route)
         except _Disconnected:
             return
         except EPDError as exc:
             pipeline.stats.request(f"error_{exc.status}")
             await self._send_error(exc)
             return
-        request = pipeline.parse(self.surface, body, self.route)
         if request is None:
             pipeline.stats.request("passed_through")
             await middleware.app(self.scope, _replay(body, self.receive), self.send)
@@ -431,14 +473,14 @@ class _Exchange:
             for discovery in pipeline.discoveries:
                 discovery.refresh_soon(group)
             try:
-                await self._encode_and_run(request, body, client)
+                await self._encode_and_run(request, client)
             except Exception as exc:
                 failure = exc  # the engine app's own error goes up as it is, not in an ExceptionGroup
             await client.release()
         if failure is not None:
             raise failure
 
-    async def _encode_and_run(self, request: ParsedRequest, body: bytes, client: _ClientWatch) -> None:
+    async def _encode_and_run(self, request: ParsedRequest, client: _ClientWatch) -> None:
         middleware = self.middleware
         request_id, generated = self._request_id()
         push_to, pin_rank = middleware._server.push_target(self.scope) if request.media else (None, None)
@@ -458,9 +500,6 @@ class _Exchange:
                 return
             finally:
                 client.preparing = False
-            if new_body is None:
-                await middleware.app(self.scope, _replay(body, client.receive), self.send)
-                return
             scope = dict(self.scope)
             scope["headers"] = _engine_headers(
                 self.scope["headers"], len(new_body), request_id if generated else None, pin_rank
@@ -534,12 +573,14 @@ class _Exchange:
 
     async def _prepare(
         self, request: ParsedRequest, request_id: str, push_to: str | None, *, fresh: bool
-    ) -> bytes | None:
+    ) -> bytes:
         middleware = self.middleware
         context = RequestContext(
             client=middleware._clients.open(),
             request_id=request_id,
             storage=middleware._server.storage(self.scope),
+            identifiers=middleware._server.identifiers(self.scope),
+            media_policy=middleware._server.media_policy(self.scope),
             authorization=self._authorization(),
             push_to=push_to,
             route=self.route,

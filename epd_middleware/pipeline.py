@@ -25,14 +25,34 @@ from .compat import Expectation
 from .config import EPDConfig
 from .discovery import Discovery
 from .encoders import EncoderRequest, encode
-from .errors import NoHealthyUpstream, Overloaded, TooManyMediaItems, UpstreamError
+from .errors import (
+    MediaRefused,
+    NoHealthyUpstream,
+    Overloaded,
+    RefusedField,
+    TooManyMediaItems,
+    UnresolvableReference,
+    UnwritableRequest,
+    UpstreamError,
+)
 from .handles import Handle, ItemKey, part_metadata, push_items, transfer_params
+from .identifiers import IdentifierRule
 from .logs import logger
+from .media_policy import MediaPolicy
 from .metrics import Stats
 from .plan import EncoderCall, MediaItem, media_items, plan_calls
 from .pool import ServerPool
 from .prefill import decode_fields, prefill
-from .protocol import EC_CONSUMER_ZMQ, EC_ITEM_TRANSFER_ID, EC_ITEMS, REQUEST_ID_HEADER
+from .protocol import (
+    EC_CONSUMER_ZMQ,
+    EC_ITEM_TRANSFER_ID,
+    EC_ITEMS,
+    EC_TRANSFER_PARAMS,
+    KV_TRANSFER_PARAMS,
+    REQUEST_ID_HEADER,
+    VLLM_XARGS,
+    embedding_stored,
+)
 from .reuse import HandleCache, ReuseKey, request_key
 from .scheduler import NO_ROUTE, Route, Scheduler
 from .surfaces import ParsedRequest, Surface, Unusable, encode_fields
@@ -52,6 +72,10 @@ class RequestContext:
     request_id: str
     # Where the local EC connector keeps embeddings as files (ECExampleConnector), to check them.
     storage: str | None = None
+    # How the engine identifies media items (the hash it looks an embedding up under).
+    identifiers: IdentifierRule = field(default_factory=IdentifierRule)
+    # This server's media policy (inside vLLM), applied before any encoder call.
+    media_policy: MediaPolicy | None = None
     # The client's Authorization header, sent on when forward_authorization is on.
     authorization: str | None = None
     # Mooncake push: the ZMQ address encoders push this request's embeddings to.
@@ -92,6 +116,7 @@ class Pipeline:
                 lambda: self.encoders.member_addresses,
                 lambda: self.prefill.member_addresses,
                 self.stats,
+                max_encoders=config.max_media_items,
             )
 
     def _discovery(self, pool: ServerPool, urls: tuple[str, ...]) -> Discovery:
@@ -110,7 +135,8 @@ class Pipeline:
         return NO_ROUTE if self.scheduler is None else self.scheduler.route(headers)
 
     def parse(self, surface: Surface, body: bytes, route: Route = NO_ROUTE) -> ParsedRequest | None:
-        """The request's media parts, or None when the body passes to the engine unchanged.
+        """The request's media parts (and the client's own references), or None when the body passes to
+        the engine unchanged; an :class:`~epd_middleware.errors.EPDError` for a body that must not.
 
         Cheap for bodies without media: a byte scan, no JSON parse. With remote prefill every request
         goes through P, so every body is parsed.
@@ -120,23 +146,28 @@ class Pipeline:
             return None
         started = time.perf_counter()
         request = surface.parse(body)
-        if request is None or not (request.media or with_prefill):
+        if request is None:
+            return None
+        refused_transfer_field(request.fields)
+        if not (request.media or request.references or with_prefill):
             return None
         self.stats.stage("parse", time.perf_counter() - started)
         return request
 
-    async def prepare(
-        self, surface: Surface, request: ParsedRequest, context: RequestContext
-    ) -> bytes | None:
-        """The body the local engine should see; None when the original body should go to the engine
-        unchanged after all (it cannot be serialised again).
+    async def prepare(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> bytes:
+        """The body the local engine should see.
 
         Raises an :class:`~epd_middleware.errors.EPDError` when the request must be answered with an
-        error instead (limits, overload, encoders or prefill servers failing under the 'error' policy).
+        error instead (limits, overload, encoders or prefill servers failing under the 'error' policy, a
+        body that cannot be written again).
         """
         config = self.config
-        if len(request.media) > config.max_media_items:
-            raise TooManyMediaItems(len(request.media), config.max_media_items)
+        parts = len(request.media) + len(request.references)
+        if parts > config.max_media_items:
+            raise TooManyMediaItems(parts, config.max_media_items)
+        self._check_references(surface, request, context)
+        if context.media_policy is not None:
+            await _check_media_policy(surface, request, context.media_policy)
         if self.pending >= config.max_pending_requests:
             raise Overloaded(
                 f"{self.pending} requests are already waiting for encoders or prefill; retry later",
@@ -160,16 +191,47 @@ class Pipeline:
                 notes.append(f"prefilled here: {blocker}")
                 fields = decode_fields(fields, None)
             elif remote_prefill:
-                fields = await self._prefill(surface, fields, context, notes, encoded=bool(request.media))
-            body = encode_fields(fields)
+                fields = await self._prefill(surface, request, fields, context, notes)
+            body = encode_fields(fields, compat=request.compat)
             if notes and logger.isEnabledFor(logging.INFO):
                 logger.info("request %s: %s", context.request_id, "; ".join(notes))
             return body
         except Unusable:
-            self.stats.request("passed_through")
-            return None
+            # Never the client's body as it came instead: the engine would read what was not checked.
+            raise UnwritableRequest from None
         finally:
             self.pending -= 1
+
+    def _check_references(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> None:
+        """Every metadata-only part the client wrote itself must name an embedding this server has,
+        under the identifier the engine will derive: a missing one kills vLLM's engine core. Where the
+        middleware cannot confirm it (no storage it can look in, options it cannot follow), it is
+        refused."""
+        for reference in request.references:
+            where = f"the {reference.kind} part at {surface.where(reference.location)}"
+            if reference.uuid is None:
+                raise UnresolvableReference(
+                    f"{where} has no uuid: vLLM could not tell which embedding it means", param=surface.field
+                )
+            if context.storage is None:
+                raise UnresolvableReference(
+                    f"{where} refers to an embedding this server cannot confirm it has (its EC connector "
+                    "keeps none the middleware can look at); send the media itself",
+                    param=surface.field,
+                )
+            identifier = context.identifiers.identifier(reference.modality, reference.uuid, request.fields)
+            if identifier is None:
+                raise UnresolvableReference(
+                    f"{where} refers to an embedding whose identifier under this request's options cannot "
+                    "be derived here; send the media itself",
+                    param=surface.field,
+                )
+            if not embedding_stored(context.storage, identifier):
+                self.stats.request("reference_refused")
+                raise UnresolvableReference(
+                    f"{where} refers to embedding {identifier[:80]!r}, which this server does not have",
+                    param=surface.field,
+                )
 
     def expect(self, expectation: Expectation) -> None:
         """Encoders and prefill servers are used only once seen serving ``expectation``."""
@@ -206,16 +268,33 @@ class Pipeline:
             salt=request.cache_salt,
             encoder_part=surface.encoder_part,
         )
+        rule = context.identifiers
+        # The identifier the engine will give each item, where the surface pins the uuid (Messages: the
+        # engine hashes the image itself, and its parts are never references): a handle under any other
+        # hash would name an embedding the engine never looks up.
+        expected: dict[ItemKey, str | None] = (
+            {
+                (item.modality, item.uuid): rule.identifier(item.modality, item.uuid, request.fields)
+                for item in items
+            }
+            if surface.pins_uuids
+            else {}
+        )
         reuse_keys: dict[ItemKey, ReuseKey] = {}
         reused: dict[ItemKey, Handle] = {}
-        if self.reuse_blocker(context.storage, pushed=context.push_to is not None) is None:
+        # A body read by Python's json may hold values the reuse key cannot tell apart (NaN and null):
+        # such rare bodies are encoded afresh.
+        if (
+            not request.compat
+            and self.reuse_blocker(context.storage, pushed=context.push_to is not None) is None
+        ):
             assert context.storage is not None
-            common = request_key(request.fields)
+            common = request_key(request.fields, pins_uuids=surface.pins_uuids)
             reuse_keys = {(item.modality, item.uuid): (item.modality, item.uuid, common) for item in items}
             if context.fresh:  # the engine could not use what it was given: nothing of it again
                 self.reuse.forget(reuse_keys.values())
             else:
-                reused = self.reuse.take(reuse_keys, context.storage)
+                reused = self.reuse.take(reuse_keys, context.storage, expected)
         to_encode = tuple(item for item in items if (item.modality, item.uuid) not in reused)
         local = config.on_encoder_failure == "local"
         choices, source = self._choose(to_encode, context.route) if to_encode else ([], "reuse")
@@ -232,6 +311,7 @@ class Pipeline:
             [self._headers(context, f"enc{index}") for index in range(len(calls))],
             deadline=config.encode_deadline,
             storage=context.storage,
+            expected={key: value for key, value in expected.items() if value is not None},
             stop_at_first_failure=not local,
         )
         encoded = time.perf_counter()
@@ -253,12 +333,20 @@ class Pipeline:
 
         handles = {**reused, **outcome.handles}
         keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
-        metadata = part_metadata(
-            keys,
-            handles,
-            rewrite=config.rewrite and surface.rewrites,
-            keep_raw=request.referenced_modalities,
-        )
+        rewrite = config.rewrite and surface.rewrites
+        keep_raw = request.referenced_modalities
+        if rewrite and rule.derives_options:
+            # Inside vLLM an item whose identifier cannot be derived here is not made a reference: its
+            # embedding could not be confirmed under the name the engine will look for.
+            unknown = {
+                key[0] for key, identifier in expected.items() if identifier is None and key in handles
+            }
+            if unknown:
+                self.stats.counters["identifier_unknown_items"] += sum(
+                    1 for key, identifier in expected.items() if identifier is None and key in handles
+                )
+                keep_raw = keep_raw | unknown
+        metadata = part_metadata(keys, handles, rewrite=rewrite, keep_raw=keep_raw)
         ec_params = transfer_params(handles)
         if context.push_to is not None:
             ec_params[EC_ITEMS] = push_items(keys, handles)
@@ -342,11 +430,10 @@ class Pipeline:
     async def _prefill(
         self,
         surface: Surface,
+        request: ParsedRequest,
         fields: dict[str, Any],
         context: RequestContext,
         notes: list[str],
-        *,
-        encoded: bool,
     ) -> dict[str, Any]:
         """Prefill the engine request remotely; the decode request for the local engine."""
         config = self.config
@@ -360,6 +447,7 @@ class Pipeline:
                 self._headers(context, "prefill"),
                 retry_after=config.retry_after,
                 preferred=(context.route.prefill,) if context.route.prefill else (),
+                compat=request.compat,
             )
         except (UpstreamError, NoHealthyUpstream) as exc:
             rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad
@@ -370,11 +458,33 @@ class Pipeline:
             return decode_fields(fields, None)
         elapsed = time.perf_counter() - started
         self.stats.stage("prefill", elapsed)
-        if not encoded:
+        if not request.media:
             self.stats.request("prefilled")
         if logger.isEnabledFor(logging.INFO):
             notes.append(f"prefill {elapsed * 1000:.1f} ms")
         return decode_fields(fields, kv_params)
+
+
+async def _check_media_policy(surface: Surface, request: ParsedRequest, policy: MediaPolicy) -> None:
+    """What this server's own media policy refuses is refused here, before an encoder fetches it."""
+    for media in request.media:
+        url = media.url
+        if url is None:
+            continue
+        refusal = await policy.refusal(url)
+        if refusal is not None:
+            raise MediaRefused(refusal, param=surface.field)
+
+
+def refused_transfer_field(fields: Mapping[str, Any]) -> None:
+    """``vllm_xargs`` that sets ``ec_transfer_params`` or ``kv_transfer_params``: vLLM copies it into the
+    engine request where the body's own field is empty, and its values are never the objects a connector
+    reads (a string there breaks the engine's scheduler). Only the body's fields carry them."""
+    xargs = fields.get(VLLM_XARGS)
+    if isinstance(xargs, dict):
+        for name in (EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS):
+            if name in xargs:
+                raise RefusedField(f"vllm_xargs must not set {name}", param=VLLM_XARGS)
 
 
 def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:

@@ -58,14 +58,15 @@ def content_uuid(modality: str, content: Sequence[str | Raw], salt: str | None =
     hasher.update(b"epd-media-v1\0")
     if salt is not None:
         # The salt's length goes first so that salt and modality cannot trade characters.
-        encoded_salt = salt.encode()
+        encoded_salt = salt.encode("utf-8", "surrogatepass")
         hasher.update(b"%d:" % len(encoded_salt))
         hasher.update(encoded_salt)
     hasher.update(modality.encode())
     for piece in content:
         hasher.update(b"\0")
         # A raw string's bytes are its text's UTF-8: the same uuid as the decoded text, without a copy.
-        hasher.update(raw_text(piece) if isinstance(piece, Raw) else piece.encode())
+        # surrogatepass: a body read by Python's json may hold a lone surrogate, which UTF-8 refuses.
+        hasher.update(raw_text(piece) if isinstance(piece, Raw) else piece.encode("utf-8", "surrogatepass"))
     return hasher.hexdigest(length=16)
 
 

@@ -12,6 +12,7 @@ like members, and are forgotten once idle.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from .compat import Expectation, check_models
 from .config import EPDConfig
 from .errors import (
     RETRYABLE_STATUSES,
+    RequestNotSendable,
     UpstreamBadReply,
     UpstreamError,
     UpstreamRejected,
@@ -35,9 +37,9 @@ from .llmd import url_host_port
 from .logs import logger
 from .metrics import Stats
 from .protocol import REQUEST_ID_HEADER, foreign_answer_id
-from .transport import Body, HTTPError, Transport
+from .transport import Body, HTTPError, Transport, UnsendableRequest
 
-__all__ = ["Attempt", "DeadlinePassed", "ServerPool"]
+__all__ = ["OTHER_SERVERS", "Attempt", "DeadlinePassed", "ServerPool"]
 
 T = TypeVar("T")
 
@@ -70,17 +72,29 @@ class Attempt(Generic[T]):
     read: Callable[[str, dict[str, Any]], T]
 
 
+@dataclass
+class _Check:
+    """A model check in progress: done when it ended, ``finished`` when it reached a verdict."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    finished: bool = False
+
+
 class DeadlinePassed(Exception):
     """The caller's deadline (a request's ``encode_deadline``) passed during a call: no server is blamed
     and no further server is tried."""
 
 
+# The metrics label of servers outside the pool (named by a scheduler header).
+OTHER_SERVERS = "other"
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
 # forgotten: bounds the memory a stream of distinct targets can take.
 _MAX_STRANGERS = 1024
 # Model states (compat.py) that keep a server from being chosen; one that did not answer is asked again
 # by its next call (a fleet starts in any order: a PD server is often up before its encoders).
 _UNUSABLE_MODEL = frozenset({"mismatch"})
+# Model states that make a call ask the server first.
+_ASK = frozenset({"unchecked", "unreachable"})
 
 
 @dataclass
@@ -103,7 +117,7 @@ class ServerPool:
     expectation: Expectation | None = field(init=False, default=None)
     # Headers of the pool's own GETs (health, models): the encoder key, when one is set.
     check_headers: Mapping[str, str] = field(init=False, default_factory=dict)
-    _checking: dict[str, anyio.Event] = field(init=False, default_factory=dict)
+    _checking: dict[str, _Check] = field(init=False, default_factory=dict)
 
     # --- membership --------------------------------------------------------------------------------
 
@@ -186,25 +200,36 @@ class ServerPool:
             for health in self._health.values():
                 health.model = "unchecked"
 
-    async def _serves_the_model(self, client: Transport, server: str) -> bool:
+    async def _serves_the_model(self, client: Transport, server: str, deadline: float | None) -> bool:
         """Whether ``server`` may take a call: asked first if it never was (one check at a time per
-        server; concurrent calls wait for it)."""
+        server; concurrent calls wait for it). The check counts against the caller's ``deadline``
+        (:class:`DeadlinePassed`); a check cut short by another caller's deadline gives no verdict, so a
+        waiter asks itself."""
         if self.expectation is None:
             return True
-        health = self._record(server)
-        if health.model in ("unchecked", "unreachable"):
-            running = self._checking.get(server)
-            if running is None:
-                self._checking[server] = done = anyio.Event()
+        if self._record(server).model not in _ASK:
+            return self._record(server).model == "ok"
+        with anyio.CancelScope(deadline=math.inf if deadline is None else deadline) as scope:
+            while self._record(server).model in _ASK:
+                running = self._checking.get(server)
+                if running is not None:
+                    await running.done.wait()
+                    if running.finished:
+                        break
+                    continue
+                self._checking[server] = check = _Check()
                 try:
                     await self.check_models(client, [server], self.check_headers)
+                    check.finished = True
                 finally:
                     del self._checking[server]
-                    done.set()
-            else:
-                await running.wait()
-        now = self._health.get(server)
-        return now is not None and now.model == "ok"
+                    check.done.set()
+                break
+        if scope.cancelled_caught:
+            raise DeadlinePassed
+        # The record may have gone meanwhile (a stranger forgotten to make room): no verdict, not used.
+        health = self._health.get(server)
+        return health is not None and health.model == "ok"
 
     async def check_models(
         self, client: Transport, urls: Sequence[str], headers: Mapping[str, str], *, recheck: bool = False
@@ -225,7 +250,8 @@ class ServerPool:
                 # As a failed call: a server that keeps not answering is ejected, and not asked again
                 # by every request while it is.
                 self.record_failure(url, anyio.current_time(), result.served)
-            self.stats.model_check(self.role, url, result.state == "ok")
+            if url in self._member_set:
+                self.stats.model_check(self.role, url, result.state == "ok")
             if not changed:
                 return
             wanted = expectation.describe() if expectation else "?"
@@ -289,7 +315,8 @@ class ServerPool:
         health = self._record(url)
         if health.ejected_until:
             logger.info("%s %s is back", self.role, url)
-            self.stats.health(self.role, url, True)
+            if url in self._member_set:
+                self.stats.health(self.role, url, True)
             if self.expectation is not None:
                 health.model = "unchecked"  # it may have come back as another server
         health.failures = 0
@@ -303,7 +330,8 @@ class ServerPool:
             config = self.config
             health.cooldown = min(health.cooldown * 2 or config.eject_cooldown, config.max_eject_cooldown)
             health.ejected_until = now + health.cooldown
-            self.stats.health(self.role, url, False)
+            if url in self._member_set:
+                self.stats.health(self.role, url, False)
             logger.warning(
                 "%s %s ejected for %.1f s after %d failures in a row (last: %s)",
                 self.role,
@@ -339,7 +367,7 @@ class ServerPool:
                 reason = f"health check HTTP {status}"
             except TimeoutError:
                 ok, reason = False, "health check timed out"
-            except HTTPError as exc:
+            except (HTTPError, UnsendableRequest) as exc:
                 ok, reason = False, f"health check failed: {exc.reason}"
             if ok:
                 self.record_success(url)
@@ -362,6 +390,12 @@ class ServerPool:
                 await self.probe(client, headers)
 
     # --- calls -----------------------------------------------------------------------------------
+
+    def _label(self, url: str) -> str:
+        """The server's label in metrics: its URL for members, one shared value for the rest. A client
+        can name any target the allowlist admits (a whole network), and a series per target would grow
+        without bound (in every API-server process's files, with ``PROMETHEUS_MULTIPROC_DIR``)."""
+        return url if url in self._member_set else OTHER_SERVERS
 
     def _limiter(self, url: str) -> anyio.CapacityLimiter:
         # Created on first use: anyio primitives belong to the event loop that runs the app.
@@ -392,35 +426,36 @@ class ServerPool:
             if deadline is not None and anyio.current_time() >= deadline:
                 raise DeadlinePassed
             tried.append(server)
-            if not await self._serves_the_model(client, server):
+            if not await self._serves_the_model(client, server, deadline):
                 # Not the server's failure: it is not one of ours (another model, or it did not say).
+                health = self._health.get(server)
+                served = health.served if health is not None else ""
                 last = UpstreamUnavailable(
-                    server,
-                    f"not used: {self._health[server].served or 'it did not say what it serves'}",
-                    role=self.role,
+                    server, f"not used: {served or 'it did not say what it serves'}", role=self.role
                 )
                 server = self.failover_target(tried, anyio.current_time(), preferred)
                 continue
+            label = self._label(server)
             started = time.perf_counter()
             try:
-                result = await self._call_once(client, server, path, attempt(), headers, deadline)
+                result = await self._call_once(client, server, label, path, attempt(), headers, deadline)
             except UpstreamError as exc:
-                self.stats.call(self.role, server, exc.outcome, time.perf_counter() - started)
+                self.stats.call(self.role, label, exc.outcome, time.perf_counter() - started)
                 if not exc.retryable:
                     raise
                 last = exc
                 now = anyio.current_time()
                 self.record_failure(server, now, exc.reason)
-                failed, server = server, self.failover_target(tried, now, preferred)
+                server = self.failover_target(tried, now, preferred)
                 if server is not None:
-                    self.stats.failover(self.role, failed)
+                    self.stats.failover(self.role, label)
                 logger.warning(
                     "%s%s",
                     exc.message,
                     f"; retrying on {server}" if server else f"; no {self.role} left to try",
                 )
                 continue
-            self.stats.call(self.role, server, "ok", time.perf_counter() - started)
+            self.stats.call(self.role, label, "ok", time.perf_counter() - started)
             self.record_success(server)
             return result
         assert last is not None
@@ -430,6 +465,7 @@ class ServerPool:
         self,
         client: Transport,
         server: str,
+        label: str,
         path: str,
         attempt: Attempt[T],
         headers: Mapping[str, str],
@@ -453,14 +489,14 @@ class ServerPool:
                 except anyio.WouldBlock:
                     await limiter.acquire()
                 health.in_flight += 1
-                self.stats.in_flight(role, server, 1)
+                self.stats.in_flight(role, label, 1)
                 try:
                     status, content = await client.request(
                         "POST", f"{server}{path}", attempt.body, {"content-type": _JSON, **headers}
                     )
                 finally:
                     health.in_flight -= 1
-                    self.stats.in_flight(role, server, -1)
+                    self.stats.in_flight(role, label, -1)
                     limiter.release()
             if bound.cancelled_caught:
                 if by_deadline:
@@ -472,6 +508,8 @@ class ServerPool:
             raise
         except HTTPError as exc:
             raise UpstreamUnavailable(server, exc.reason, role=role) from None
+        except UnsendableRequest as exc:
+            raise RequestNotSendable(server, exc.reason, role=role) from None
         except Exception as exc:
             # A bug in a custom transport must cost this call, not the server: the client gets a clear
             # error (or a failover), the log gets the traceback.
@@ -489,7 +527,8 @@ class ServerPool:
             raise UpstreamStatusError(server, status, role=role)
         try:
             reply = _decode_reply(content)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
+            # Nested past what this stack decodes counts as not JSON: a failed try of this server.
             raise UpstreamBadReply(server, "the answer is not JSON", role=role) from None
         if not isinstance(reply, dict):
             raise UpstreamBadReply(server, "the answer is not a JSON object", role=role)
@@ -498,7 +537,7 @@ class ServerPool:
             # Another request's answer (a server or a proxy before it mixed up its connections): its
             # handles must never reach this request's engine, and no idle connection there is trusted.
             await client.drop_idle(server)
-            self.stats.foreign_answer(role, server)
+            self.stats.foreign_answer(role, label)
             logger.warning("%s %s answered request %s with the answer of %s", role, server, request_id, other)
             raise UpstreamBadReply(server, f"the answer belongs to another request ({other})", role=role)
         return attempt.read(server, reply)
@@ -509,6 +548,6 @@ def _error_detail(content: bytes) -> str:
     try:
         reply: Any = _decode_reply(content)
         message = reply["error"]["message"]
-    except (msgspec.DecodeError, KeyError, TypeError):
+    except (msgspec.DecodeError, RecursionError, KeyError, TypeError):
         return ""
     return str(message)[:_MAX_DETAIL]

@@ -54,14 +54,16 @@ async def prefill(
     *,
     retry_after: int,
     preferred: Sequence[str] = (),
+    compat: bool = False,
 ) -> dict[str, Any] | None:
     """Prefill ``fields`` on the first usable ``preferred`` server (a scheduler's choice), else the
-    next of the pool (failing over); P's ``kv_transfer_params``."""
+    next of the pool (failing over); P's ``kv_transfer_params``. ``compat``: the body is written as
+    Python's json writes it (:attr:`~epd_middleware.surfaces.ParsedRequest.compat`)."""
     server = pool.pick(anyio.current_time(), preferred)
     if server is None:
         raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
-    body = outgoing_body(prefill_fields(fields, surface))
+    body = outgoing_body(prefill_fields(fields, surface), compat=compat)
     return await pool.call(
         client, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
     )

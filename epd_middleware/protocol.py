@@ -47,6 +47,14 @@ PART_KEY_ORDER: Final[tuple[str, ...]] = (
 UNBATCHED_MODALITIES: Final[frozenset[str]] = frozenset({"audio", "video"})
 
 
+# Metadata-only part types -> modality: their embedding comes from the EC connector.
+EMBEDS_PARTS: Final[dict[str, str]] = {
+    "image_embeds": "image",
+    "audio_embeds": "audio",
+    "video_embeds": "video",
+}
+
+
 def embeds_type(modality: str) -> str:
     """The part type of a metadata-only reference for ``modality`` (``image_embeds`` ...)."""
     return f"{modality}_embeds"
@@ -73,6 +81,8 @@ TYPE: Final = "type"
 UUID: Final = "uuid"
 CACHE_SALT: Final = "cache_salt"
 EC_TRANSFER_PARAMS: Final = "ec_transfer_params"
+# Extra engine arguments; vLLM copies them under the request's own fields (``to_sampling_params``).
+VLLM_XARGS: Final = "vllm_xargs"
 
 # Inside one ec_transfer_params entry reported by an encoder.
 ITEM_INDICES: Final = "item_indices"

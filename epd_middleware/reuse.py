@@ -36,10 +36,12 @@ _EMBEDDING_FIELDS = (MODEL, "mm_processor_kwargs", "media_io_kwargs", CACHE_SALT
 _canonical = msgspec.json.Encoder(order="sorted").encode
 
 
-def request_key(fields: Mapping[str, Any]) -> bytes:
-    """The part of every item's key that comes from the request: canonical JSON of the fields that can
-    change an embedding (absent and null are the same)."""
-    return _canonical([fields.get(name) for name in _EMBEDDING_FIELDS])
+def request_key(fields: Mapping[str, Any], *, pins_uuids: bool) -> bytes:
+    """The part of every item's key that comes from the request: whether the surface pins the uuid (the
+    engine then identifies the item by it; otherwise by the decoded media, so an encoder reports another
+    hash for the same media), and canonical JSON of the fields that can change an embedding (absent and
+    null are the same)."""
+    return _canonical([pins_uuids, *(fields.get(name) for name in _EMBEDDING_FIELDS)])
 
 
 @dataclass
@@ -54,16 +56,25 @@ class HandleCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, keys: Mapping[ItemKey, ReuseKey], storage: str) -> dict[ItemKey, Handle]:
-        """The handles of the items whose key is cached and whose embedding is in ``storage``; a cached
-        entry whose embedding has gone is forgotten."""
+    def take(
+        self,
+        keys: Mapping[ItemKey, ReuseKey],
+        storage: str,
+        expected: Mapping[ItemKey, str | None],
+    ) -> dict[ItemKey, Handle]:
+        """The handles of the items whose key is cached, whose hash is the identifier the engine will
+        derive (``expected``, where known) and whose embedding is in ``storage``; any other cached entry
+        is forgotten."""
         reused: dict[ItemKey, Handle] = {}
         entries = self._entries
         for item, key in keys.items():
             handle = entries.get(key)
             if handle is None:
                 continue
-            if embedding_stored(storage, handle.mm_hash):
+            identifier = expected.get(item)
+            if (identifier is None or handle.mm_hash == identifier) and embedding_stored(
+                storage, handle.mm_hash
+            ):
                 entries.move_to_end(key)
                 reused[item] = handle
             else:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import ForbiddenTarget
-from .llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values, split_host_port
+from .llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values, port_number, split_host_port
 from .logs import logger
 from .metrics import Stats
 
@@ -73,9 +73,10 @@ def parse_allowlist(entries: Sequence[str]) -> Allowlist:
 
 
 def _port(text: str, entry: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    port = port_number(text)
+    if port is None:
         raise ValueError(f"scheduler_allow entry {entry!r} has no valid port")
-    return int(text)
+    return port
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +101,14 @@ class Scheduler:
         encoder_members: Callable[[], frozenset[tuple[str, int]]],
         prefill_members: Callable[[], frozenset[tuple[str, int]]],
         stats: Stats,
+        max_encoders: int,
     ) -> None:
         self._allow = parse_allowlist(allow)
         self._scheme = scheme
         self._encoder_members = encoder_members
         self._prefill_members = prefill_members
         self._stats = stats
+        self._max_encoders = max_encoders
         self._warned_at = float("-inf")
         self._unwarned = 0
 
@@ -123,14 +126,23 @@ class Scheduler:
                     param=PREFILLER_HEADER.decode(),
                 )
             prefill = target
-        encoders: list[str] = []
+        # A request cannot use more encoders than it may have media items: entries past that many
+        # distinct ones are not even parsed, so a header naming thousands costs no more than that.
+        encoders: dict[str, None] = {}
+        seen: set[str] = set()
         for entry in header_values(headers, ENCODER_HOSTS_HEADER):
+            if entry in seen:
+                continue
+            if len(seen) == self._max_encoders:
+                self._stats.counters["scheduler_entries_ignored"] += 1
+                break
+            seen.add(entry)
             target = self._target(entry, self._encoder_members)
             if target is None:
                 self._stats.forged_target("encoder")
                 self._warn("dropped encoder %r named by the scheduler header: not allowed", entry)
-            elif target not in encoders:
-                encoders.append(target)
+            else:
+                encoders[target] = None
         if prefill is None and not encoders:
             return NO_ROUTE
         return Route(tuple(encoders), prefill)

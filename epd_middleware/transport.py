@@ -1,4 +1,4 @@
-"""How encoder calls reach the network: the built-in HTTP/1.1 client (``_http.py``) by default, or the
+"""How encoder calls reach the network: the built-in HTTP/1.1 client (``_http/``) by default, or the
 user's ``httpx.AsyncClient`` (their limits, auth, proxies; tests pass an ``httpx.MockTransport``).
 
 Both speak one small interface and raise the same errors, so the encoder layer does not care which.
@@ -11,7 +11,7 @@ from typing import Protocol
 
 import httpx
 
-from ._http import Body, ConnectFailed, ConnectionLost, HTTPClient, HTTPError
+from ._http import Body, ConnectFailed, ConnectionLost, HTTPClient, HTTPError, UnsendableRequest, header_lines
 
 __all__ = [
     "Body",
@@ -21,11 +21,13 @@ __all__ = [
     "HTTPError",
     "HttpxTransport",
     "Transport",
+    "UnsendableRequest",
 ]
 
 
 class Transport(Protocol):
-    """``request`` returns (status, body) or raises TimeoutError or :class:`HTTPError`."""
+    """``request`` returns (status, body) or raises TimeoutError or :class:`HTTPError`; a request that
+    cannot be written (its headers) raises :class:`UnsendableRequest` before anything is sent."""
 
     @property
     def is_closed(self) -> bool: ...
@@ -55,8 +57,11 @@ class HttpxTransport:
         self, method: str, url: str, body: Body = b"", headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
         content = body if isinstance(body, bytes) else b"".join(body)
+        # As bytes: httpx encodes str header values as ASCII, so a client's Latin-1 header byte would
+        # fail the call before it is sent (and be counted against the server).
+        lines = header_lines(headers or {})
         try:
-            response = await self.client.request(method, url, content=content or None, headers=headers)
+            response = await self.client.request(method, url, content=content or None, headers=lines)
         except httpx.TimeoutException:
             raise TimeoutError from None
         except httpx.ConnectError:

@@ -11,13 +11,14 @@ vLLM is imported by vLLM, not here: the package imports without it.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .config import EPDConfig
 from .logs import adopt_vllm_logging, logger
 from .middleware import EPDMiddleware
 
-__all__ = ["EPDPlugin", "check_server", "plugin"]
+__all__ = ["EPDPlugin", "check_keys", "check_server", "plugin", "vllm_api_keys"]
 
 
 class EPDPlugin:
@@ -51,6 +52,8 @@ class EPDPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         check_server(getattr(state, "vllm_config", None), self.config)
+        if self.config is not None:
+            check_keys(self.config, args)
         if not getattr(args, "trust_request_mm_kwargs", True):
             # Not fatal: deployments whose clients never send options work without it.
             logger.warning(
@@ -88,6 +91,33 @@ def check_server(vllm_config: Any, config: EPDConfig | None = None) -> None:
         raise RuntimeError(
             f"epd: this server's ec_role is {getattr(ec, 'ec_role', None)!r}; the middleware belongs on "
             "the PD server (ec_role 'ec_consumer'), not on an encoder"
+        )
+
+
+def vllm_api_keys(args: Any) -> list[str]:
+    """The keys vLLM's own check accepts (``AuthenticationMiddleware``): ``--api-key``, else
+    ``VLLM_API_KEY``; a plain string is one key."""
+    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY") or ""]
+    if isinstance(keys, str):
+        keys = [keys]
+    return [key for key in keys if isinstance(key, str) and key]
+
+
+def check_keys(config: EPDConfig, args: Any) -> None:
+    """Inside vLLM's key check the middleware checks no key itself: keys given only to it would guard
+    nothing. Fail start-up for that; warn about keys vLLM does not know (they open the status page
+    only)."""
+    vllm_keys = vllm_api_keys(args)
+    if config.api_keys and not vllm_keys:
+        raise RuntimeError(
+            "epd: EPD_API_KEYS is set, but vLLM runs without --api-key (or VLLM_API_KEY), so neither the "
+            "encoder path nor vLLM's own endpoints would check a key; give vLLM the keys (--api-key "
+            "KEY ... or VLLM_API_KEY), which the middleware then uses too, or unset EPD_API_KEYS"
+        )
+    if set(config.api_keys) - set(vllm_keys):
+        logger.warning(
+            "epd: some EPD_API_KEYS are not among vLLM's --api-key keys; vLLM refuses them on /v1/*, so "
+            "they open only the status endpoint"
         )
 
 

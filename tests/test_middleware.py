@@ -128,11 +128,14 @@ async def test_responses_style_input_image_parts_are_encoded_too() -> None:
         derived_hash(MODEL, uuid, "image", call.body)
     ]
 
-    # An input_image whose image_url is an object is not what vLLM takes: it answers that itself.
+    # An input_image whose image_url is an object is not what vLLM takes. The middleware cannot read it,
+    # and does not pass on media it cannot read (vLLM might read it otherwise): a 400 naming the part.
     odd = chat_body({"type": "input_image", "image_url": {"url": url}})
-    assert (await post(app, odd)).status_code == 200
+    refused = await post(app, odd)
+    assert refused.status_code == 400
+    assert "'input_image' part" in refused.json()["error"]["message"]
     assert len(encoders.calls) == 1
-    assert engine.received[1].json == odd
+    assert len(engine.received) == 1
 
 
 async def test_options_reach_every_encoder_request_and_handles_use_the_derived_hash() -> None:
@@ -433,16 +436,11 @@ async def test_oversized_body_gets_413_without_reading_it_all() -> None:
         b'{"model": "m", "messages": [{"content": [{"type": "image_url"',
         b'["image_url"]',
         b'{"messages": "image_url"}',
-        b'{"messages": [5, {"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
-        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": 7}}]}]}',
-        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": "x"}, "uuid": 3}]}]}',
-        b'{"messages": [{"content": [{"type": 1, "image_url": {"url": "x"}}]}]}',
-        b'{"ec_transfer_params": [1], "messages": '
-        b'[{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
         b"\xff\xfe not utf-8 image_url",
     ],
 )
-async def test_malformed_bodies_reach_the_app_untouched(raw: bytes) -> None:
+async def test_bodies_vllm_cannot_read_as_a_request_reach_the_app_untouched(raw: bytes) -> None:
+    """Not JSON (as vLLM reads JSON), not an object, or no media anywhere it could look: vLLM answers it."""
     encoders, engine = FakeEncoders([E0]), FakeEngine()
     app, _ = build_app(encoders, engine)
     response = await post(app, raw)
@@ -451,9 +449,32 @@ async def test_malformed_bodies_reach_the_app_untouched(raw: bytes) -> None:
     assert encoders.calls == []
 
 
-async def test_escaped_part_type_is_left_to_the_engine() -> None:
-    """A part type spelled with \\u escapes (legal JSON no common encoder writes) is not looked for: the
-    body goes to the engine unchanged, which encodes that media itself."""
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"messages": [5, {"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": 7}}]}]}',
+        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": "x"}, "uuid": 3}]}]}',
+        b'{"messages": [{"content": [{"type": 1, "image_url": {"url": "x"}}]}]}',
+        b'{"ec_transfer_params": [1], "messages": '
+        b'[{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+    ],
+)
+async def test_media_in_a_shape_the_middleware_cannot_read_is_refused_not_passed_on(raw: bytes) -> None:
+    """vLLM might read media, a reference or transfer parameters there that the middleware did not: a
+    400 from the middleware, before any encoder call, and nothing reaches the engine."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    response = await post(app, raw)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
+    assert engine.received == []
+    assert encoders.calls == []
+
+
+async def test_an_escaped_part_type_is_read_as_vllm_reads_it() -> None:
+    """A part type spelled with \\u escapes (legal JSON no common encoder writes) is still a media part:
+    encoded remotely like any other, never left for PD to encode behind the middleware's back."""
     encoders, engine = FakeEncoders([E0]), FakeEngine()
     app, _ = build_app(encoders, engine)
     raw = (
@@ -461,8 +482,10 @@ async def test_escaped_part_type_is_left_to_the_engine() -> None:
         b'"image\\u005furl": {"url": "data:image/png;base64,AAAA"}}]}]}'
     )
     assert (await post(app, raw)).status_code == 200
-    assert encoders.calls == []
-    assert engine.received[0].body == raw
+    [call] = encoders.calls
+    assert call.body["messages"][0]["content"][0]["image_url"] == {"url": "data:image/png;base64,AAAA"}
+    [part] = media_parts(engine.received[0].json)
+    assert part["type"] == "image_embeds"
 
 
 def http_scope(

@@ -15,6 +15,16 @@ closes its connection.
 """
 
 from ._client import Body, HTTPClient
-from ._errors import ConnectFailed, ConnectionLost, HTTPError, ProtocolViolation
+from ._errors import ConnectFailed, ConnectionLost, HTTPError, ProtocolViolation, UnsendableRequest
+from ._headers import header_lines
 
-__all__ = ["Body", "ConnectFailed", "ConnectionLost", "HTTPClient", "HTTPError", "ProtocolViolation"]
+__all__ = [
+    "Body",
+    "ConnectFailed",
+    "ConnectionLost",
+    "HTTPClient",
+    "HTTPError",
+    "ProtocolViolation",
+    "UnsendableRequest",
+    "header_lines",
+]

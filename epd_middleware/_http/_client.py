@@ -13,6 +13,7 @@ import anyio
 
 from ._errors import ConnectFailed, ConnectionLost
 from ._framing import read_answer
+from ._headers import header_lines
 from ._socket import Connection, connect
 
 __all__ = ["Body", "HTTPClient"]
@@ -58,7 +59,8 @@ class HTTPClient:
         self, method: str, url: str, body: Body = b"", headers: Mapping[str, str] | None = None
     ) -> tuple[int, bytes]:
         """Send one request and return (status, body) of its final answer. Raises :class:`HTTPError`
-        subclasses; the caller's cancel scope bounds the whole exchange."""
+        subclasses, or :class:`UnsendableRequest` before anything is sent; the caller's cancel scope
+        bounds the whole exchange."""
         parts = urlsplit(url)
         base = f"{parts.scheme}://{parts.netloc}"
         origin = self._origins.get(base)
@@ -67,8 +69,7 @@ class HTTPClient:
             origin = self._origins[base] = _Origin(parts.scheme, parts.hostname or "", port)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         head = [f"{method} {target} HTTP/1.1".encode(), b"host: " + origin.host_header]
-        for name, value in (headers or {}).items():
-            head.append(f"{name}: {value}".encode("latin-1"))
+        head.extend(b"%s: %s" % line for line in header_lines(headers or {}))
         pieces = (body,) if isinstance(body, bytes) else body
         length = sum(map(_size, pieces))
         if length or method == "POST":

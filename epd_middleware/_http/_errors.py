@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConnectFailed", "ConnectionLost", "HTTPError", "ProtocolViolation"]
+__all__ = ["ConnectFailed", "ConnectionLost", "HTTPError", "ProtocolViolation", "UnsendableRequest"]
 
 
 class HTTPError(Exception):
@@ -28,3 +28,12 @@ class ConnectionLost(HTTPError):
 
 class ProtocolViolation(HTTPError):
     """The answer broke HTTP/1.1's framing rules or this client's limits; the connection is closed."""
+
+
+class UnsendableRequest(Exception):
+    """The request cannot be written as HTTP/1.1 (a header value with a line break, or a character outside
+    Latin-1): nothing was sent, and the server is not to blame. Not an :class:`HTTPError` on purpose."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

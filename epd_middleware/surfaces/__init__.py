@@ -7,6 +7,8 @@ looks inside a body itself.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,16 +19,19 @@ from epd_middleware import _rawjson
 from epd_middleware import protocol as p
 from epd_middleware._http import Body
 from epd_middleware._rawjson import Raw, text_of
+from epd_middleware.errors import UnreadableRequest
 
 __all__ = [
     "Body",
     "MediaPart",
     "ParsedRequest",
     "Raw",
+    "Reference",
     "Surface",
     "Unusable",
     "check_ec_params",
     "checked_messages",
+    "controlled_content",
     "decode_object",
     "encode_fields",
     "encoder_request",
@@ -57,6 +62,24 @@ class MediaPart:
     content: tuple[str | Raw, ...]
     client_uuid: str | None
 
+    @property
+    def url(self) -> str | Raw | None:
+        """The URL vLLM would load the media from (``content`` is ``(url,)``); None for input_audio,
+        whose content is ``(data, format)``."""
+        return self.content[0] if len(self.content) == 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """A metadata-only part the client wrote itself (``{"type": "image_embeds", "image_embeds":
+    {"image_grid_thw": [...]}, "uuid": ...}``): the engine takes its embedding from the EC connector, under
+    the identifier it derives from the uuid, with nothing to fall back on if it is not there."""
+
+    location: tuple[int, ...]
+    kind: str  # image_embeds, audio_embeds, video_embeds
+    modality: str
+    uuid: str | None
+
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
@@ -65,6 +88,12 @@ class ParsedRequest:
     # Modalities with a part that references earlier media by uuid alone: vLLM counts it as raw media,
     # so the other parts of that modality must stay raw too (no mixing of raw and embeds).
     referenced_modalities: frozenset[str] = frozenset()
+    # Metadata-only parts the client wrote itself: checked before anything else is done.
+    references: tuple[Reference, ...] = ()
+    # Read by Python's json, as vLLM reads bodies, after the fast decoder refused the body (a BOM,
+    # UTF-16, NaN, a lone surrogate ...): every body made from it is written by Python's json too, which
+    # writes those values back as vLLM will read them.
+    compat: bool = False
 
     @property
     def cache_salt(self) -> str | None:
@@ -85,6 +114,15 @@ class Surface(Protocol):
     @property
     def path(self) -> str:
         """The path vLLM serves this surface on: where a prefill request of it goes."""
+        ...
+
+    @property
+    def field(self) -> str:
+        """The body field that holds the parts (``messages``, ``input``): what errors name."""
+        ...
+
+    def where(self, location: tuple[int, ...]) -> str:
+        """A part's location as the client would write it (``messages[0].content[2]``)."""
         ...
 
     @property
@@ -141,34 +179,89 @@ class Surface(Protocol):
         ...
 
 
-def encode_fields(fields: Any) -> bytes:
-    """Serialise a body; :class:`Unusable` when it cannot be written again (too deep at this stack)."""
+def encode_fields(fields: Any, *, compat: bool = False) -> bytes:
+    """Serialise a body (``compat``: as Python's json writes it, see :attr:`ParsedRequest.compat`);
+    :class:`Unusable` when it cannot be written again (too deep at this stack)."""
     try:
+        if compat:
+            # ASCII with escapes: a lone surrogate travels as "\\ud800", which json.loads reads back.
+            return json.dumps(fields, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode()
         return _encode(fields)
-    except (RecursionError, msgspec.EncodeError, OverflowError) as exc:
-        # Decodable but too deep to encode again at this stack depth: vLLM judges it as sent.
+    except (RecursionError, msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
         raise Unusable from exc
 
 
-def decode_object(body: bytes) -> dict[str, Any] | None:
-    """The body as a JSON object, None when it is not one (vLLM answers it with its own 400)."""
+def decode_object(body: bytes) -> tuple[dict[str, Any], bool] | None:
+    """The body as a JSON object, and whether Python's json had to read it (``compat``); None when vLLM
+    cannot read it as one either (it answers its own 400).
+
+    vLLM reads a body with ``json.loads`` (FastAPI, through Starlette's ``Request.json()``), which takes
+    what msgspec refuses: a UTF-8 BOM, UTF-16 and UTF-32, ``NaN``, ``Infinity``, numbers out of a
+    double's range, lone surrogates. Such a body is read again as vLLM reads it, never passed on unread:
+    the engine would read media, references and transfer parameters the middleware never saw.
+    """
     try:
         fields = _rawjson.decode(body)
+        compat = False
     except (msgspec.DecodeError, RecursionError):
-        return None
-    return fields if isinstance(fields, dict) else None
+        try:
+            fields = json.loads(body)
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            return None
+        compat = True
+    return (fields, compat) if isinstance(fields, dict) else None
 
 
 def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest]) -> ParsedRequest | None:
-    """``find`` the media of a JSON object body; None when the body is not one or its shape is off where
-    ``find`` looks (it raises :class:`Unusable`): such a body goes to vLLM as sent."""
-    fields = decode_object(body)
-    if fields is None:
+    """``find`` the media of a JSON object body; None when the body is not one (vLLM answers it).
+
+    A body whose shape is off where ``find`` looks (it raises :class:`Unusable`) goes to vLLM as sent
+    only when nothing in it is the middleware's to handle; otherwise :class:`UnreadableRequest`: vLLM
+    might read media, an embedding reference or transfer parameters there that the middleware did not.
+    """
+    decoded = decode_object(body)
+    if decoded is None:
         return None
+    fields, compat = decoded
     try:
-        return find(fields)
+        request = find(fields)
     except Unusable:
+        found = controlled_content(fields)
+        if found is not None:
+            raise UnreadableRequest(found) from None
         return None
+    return dataclasses.replace(request, compat=True) if compat else request
+
+
+# Keys and part types under which vLLM (chat, Messages, Responses) takes media or embedding references.
+_CONTROLLED_KEYS = frozenset(
+    {*p.MEDIA_PARTS, *(holder for _, holder, _ in p.MEDIA_PARTS.values()), *p.PART_KEY_ORDER}
+)
+_CONTROLLED_TYPES = frozenset({*_CONTROLLED_KEYS, "image", "input_image"})
+_TRANSFER_FIELDS = (p.EC_TRANSFER_PARAMS, p.KV_TRANSFER_PARAMS)
+
+
+def controlled_content(fields: Mapping[str, Any]) -> str | None:
+    """What of the middleware's business a body holds (media or an embedding reference anywhere, transfer
+    parameters), named for the client; None when it holds none. A walk of the whole value, for bodies
+    the surface could not read: it is not fooled by escapes or by where the content sits."""
+    for name in _TRANSFER_FIELDS:
+        if fields.get(name) is not None:
+            return name
+    stack: list[Any] = [fields]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in _CONTROLLED_KEYS:
+                    return f"a {key!r} part"
+                if key == p.TYPE and isinstance(value, str) and value in _CONTROLLED_TYPES:
+                    return f"a {value!r} part"
+                if isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(item for item in node if isinstance(item, (dict, list)))
+    return None
 
 
 def checked_messages(fields: Mapping[str, Any]) -> list[Any]:
@@ -194,6 +287,8 @@ def encoder_request(
     parts: Sequence[Mapping[str, Any]],
     options: Mapping[str, Any],
     ec_transfer_params: Mapping[str, Any] | None,
+    *,
+    compat: bool = False,
 ) -> Body:
     """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
     body: dict[str, Any] = {
@@ -206,13 +301,15 @@ def encoder_request(
     }
     if ec_transfer_params:
         body[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
-    return outgoing_body(body)
+    return outgoing_body(body, compat=compat)
 
 
-def outgoing_body(fields: Any) -> Body:
+def outgoing_body(fields: Any, *, compat: bool = False) -> Body:
     """A body to send to another server: the media strings it holds go from the client's body as they
     are, not copied into a new buffer (:func:`_rawjson.encode_pieces`). :class:`Unusable` as
     :func:`encode_fields`."""
+    if compat:
+        return encode_fields(fields, compat=True)  # read by Python's json: no raw strings in it
     return _rawjson.encode_pieces(fields, encode_fields)
 
 

@@ -46,10 +46,9 @@ _SOURCE = "source"
 
 
 def may_hold_media(body: bytes) -> bool:
-    """False only when the body holds no ``"image"`` string as JSON encoders write it (the type of an
-    image block); a body that spells it with ``\\u`` escapes goes to the engine unchanged, which encodes
-    the image itself."""
-    return b'"image"' in body
+    """False only when the body surely holds no ``"image"`` string (the type of an image block) and no
+    ``vllm_xargs``; a body with a ``\\u`` escape is parsed (it could spell either)."""
+    return b'"image"' in body or b"_xargs" in body or b"\\u" in body
 
 
 def image_url(source: Mapping[str, Any]) -> str | Raw:
@@ -122,7 +121,7 @@ def encoder_body(
     ec_transfer_params: Mapping[str, Any] | None = None,
 ) -> Body:
     """The encoder request for ``parts``, with no per-request options (Messages has none)."""
-    return encoder_request(request.fields.get(p.MODEL), parts, {}, ec_transfer_params)
+    return encoder_request(request.fields.get(p.MODEL), parts, {}, ec_transfer_params, compat=request.compat)
 
 
 def engine_fields(
@@ -133,6 +132,12 @@ def engine_fields(
 ) -> dict[str, Any]:
     """The client's body with the handles merged over its own ``ec_transfer_params``; blocks unchanged."""
     return with_handles(dict(request.fields), ec_transfer_params)
+
+
+def where(location: tuple[int, ...]) -> str:
+    """``messages[m].content[b]``, and ``.content[i]`` inside a tool result."""
+    message, block, *inner = location
+    return f"messages[{message}].content[{block}]" + "".join(f".content[{index}]" for index in inner)
 
 
 def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,6 +151,8 @@ class AnthropicMessages:
 
     name = "messages"
     path = p.MESSAGES_PATH
+    field = p.MESSAGES
+    where = staticmethod(where)
     rewrites = False
     pins_uuids = False
     prefill_limits = staticmethod(prefill_limits)

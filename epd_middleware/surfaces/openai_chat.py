@@ -17,6 +17,7 @@ from . import (
     MediaPart,
     ParsedRequest,
     Raw,
+    Reference,
     Unusable,
     checked_messages,
     encode_fields,
@@ -38,31 +39,35 @@ __all__ = [
     "may_hold_media",
     "parse",
     "prefill_limits",
+    "reference_of",
     "rewritten_body",
 ]
 
 
+# What every part or field the middleware must see holds, spelled without escapes: "_url" or "_audio"
+# (media parts, input_audio), "_embeds" (references), "_xargs" (vllm_xargs).
+_TOKENS = (b"_url", b"_audio", b"_embeds", b"_xargs")
+
+
 def may_hold_media(body: bytes) -> bool:
-    """False only when the body holds no media part as JSON encoders write them; decides the no-parse
-    pass-through.
+    """False only when the body surely holds no media part, reference or ``vllm_xargs``; decides the
+    no-parse pass-through.
 
-    Every media part type holds "_url" or "_audio" (``input_audio``). A multi-byte search runs at about
-    1.5 GB/s here, a one-byte one (memchr) at about 60 GB/s: so jump from underscore to underscore and
-    look at what follows, falling back to plain searches when a body is full of underscores (code, say).
-
-    A body that spells a part type with ``\\u`` escapes of ASCII letters (legal JSON that no common
-    encoder writes) is not found here and goes to the engine unchanged: PD encodes that media itself,
-    correctly, without the encoders. Looking for such escapes costs a scan of every long prompt with
-    newlines, which is common; the case it would catch is not.
+    A multi-byte search runs at about 1.5 GB/s here, a one-byte one (memchr) at about 60 GB/s: so jump
+    from underscore to underscore and look at what follows, falling back to plain searches when a body
+    is full of underscores (code, say). JSON can spell any of these letters as a ``\\u`` escape, which
+    no byte scan sees through: a body with an escape is parsed (``\\n`` and the like spell none of them).
     """
+    if b"\\u" in body:
+        return True
     position = body.find(b"_")
     for _ in range(64):
         if position < 0:
             return False
-        if body.startswith((b"_url", b"_audio"), position):
+        if body.startswith(_TOKENS, position):
             return True
         position = body.find(b"_", position + 1)
-    return b"_url" in body or b"_audio" in body
+    return any(token in body for token in _TOKENS)
 
 
 def parse(body: bytes) -> ParsedRequest | None:
@@ -74,21 +79,33 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
     messages = checked_messages(fields)
     media: list[MediaPart] = []
     referenced: set[str] = set()
+    references: list[Reference] = []
     for message_index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise Unusable
         content = message.get(p.CONTENT)
         if isinstance(content, list):
-            find_parts(message_index, content, media, referenced)
-    return ParsedRequest(fields, tuple(media), frozenset(referenced))
+            find_parts(message_index, content, media, referenced, references)
+    return ParsedRequest(fields, tuple(media), frozenset(referenced), tuple(references))
 
 
-def find_parts(index: int, parts: list[Any], media: list[MediaPart], referenced: set[str]) -> None:
+def find_parts(
+    index: int,
+    parts: list[Any],
+    media: list[MediaPart],
+    referenced: set[str],
+    references: list[Reference],
+) -> None:
     """The media parts of one content list (vLLM's chat parser reads it), into ``media`` at locations
-    ``(index, part index)``; the modalities referenced by uuid alone into ``referenced``."""
+    ``(index, part index)``; the modalities referenced by uuid alone into ``referenced``; the client's
+    own metadata-only parts into ``references``."""
     for part_index, part in enumerate(parts):
         if not isinstance(part, dict):
             continue  # plain-string parts are text; vLLM judges anything else
+        reference = reference_of(part, (index, part_index))
+        if reference is not None:
+            references.append(reference)
+            continue
         found = media_of(part)
         if found is None:
             continue
@@ -113,6 +130,26 @@ def _part_kind(part: Mapping[str, Any]) -> str | None:
         if key in part:
             return key
     return part_type
+
+
+def reference_of(part: Mapping[str, Any], location: tuple[int, ...]) -> Reference | None:
+    """The part as a metadata-only reference, when it is one: an embeds part that carries no embedding
+    of its own (no payload, or a payload of metadata arrays without the ``<modality>_embeds`` tensor).
+    A part that carries its tensor (base64) needs no embedding from elsewhere."""
+    kind = _part_kind(part)
+    modality = p.EMBEDS_PARTS.get(kind or "")
+    if modality is None:
+        return None
+    assert kind is not None
+    payload = part.get(kind)
+    if isinstance(payload, (str, Raw)):
+        return None
+    if isinstance(payload, dict) and isinstance(payload.get(kind), (str, Raw)):
+        return None
+    uuid = text_of(part.get(p.UUID))
+    if uuid is not None and not isinstance(uuid, str):
+        raise Unusable  # vLLM would take str(uuid): not a reference the middleware reads otherwise
+    return Reference(location, kind, modality, uuid)
 
 
 def media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str | Raw, ...] | None] | None:
@@ -160,7 +197,13 @@ def encoder_body(
     ec_transfer_params: Mapping[str, Any] | None = None,
 ) -> Body:
     """The encoder request for ``parts``, with the per-request options the local engine will apply."""
-    return encoder_request(request.fields.get(p.MODEL), parts, forwarded_options(request), ec_transfer_params)
+    return encoder_request(
+        request.fields.get(p.MODEL),
+        parts,
+        forwarded_options(request),
+        ec_transfer_params,
+        compat=request.compat,
+    )
 
 
 def engine_fields(
@@ -213,11 +256,18 @@ def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
     return limits
 
 
+def where(location: tuple[int, ...]) -> str:
+    message, part = location
+    return f"messages[{message}].content[{part}]"
+
+
 class ChatCompletions:
     """The chat-completions surface, for the pipeline."""
 
     name = "chat"
     path = p.CHAT_COMPLETIONS_PATH
+    field = p.MESSAGES
+    where = staticmethod(where)
     rewrites = True
     pins_uuids = True
     prefill_limits = staticmethod(prefill_limits)

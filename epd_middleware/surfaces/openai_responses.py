@@ -25,6 +25,7 @@ from epd_middleware import protocol as p
 from . import (
     MediaPart,
     ParsedRequest,
+    Reference,
     Unusable,
     check_ec_params,
     parse_with,
@@ -46,8 +47,9 @@ _HISTORY_FIELDS = ("previous_response_id", "conversation")
 
 
 def may_hold_media(body: bytes) -> bool:
-    """Every image part holds an ``image_url`` key (``input_image``, or chat-style parts)."""
-    return b'image_url"' in body
+    """Every image part holds an ``image_url`` key (``input_image``, or chat-style parts); a body with
+    ``vllm_xargs``, or a ``\\u`` escape (which could spell either), is parsed too."""
+    return b'image_url"' in body or b"_xargs" in body or b"\\u" in body
 
 
 def parse(body: bytes) -> ParsedRequest | None:
@@ -72,14 +74,15 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
         return ParsedRequest(fields, ())  # a plain text input
     media: list[MediaPart] = []
     referenced: set[str] = set()
+    references: list[Reference] = []
     for item_index, item in enumerate(items):
         if not isinstance(item, dict):
             raise Unusable
         key = _parts_key(item)
         parts = item.get(key) if key else None
         if isinstance(parts, list):
-            find_parts(item_index, parts, media, referenced)
-    return ParsedRequest(fields, tuple(media), frozenset(referenced))
+            find_parts(item_index, parts, media, referenced, references)
+    return ParsedRequest(fields, tuple(media), frozenset(referenced), tuple(references))
 
 
 def engine_fields(
@@ -107,6 +110,11 @@ def _found_parts_key(item: Mapping[str, Any]) -> str:
     return key
 
 
+def where(location: tuple[int, ...]) -> str:
+    item, part = location
+    return f"input[{item}] part {part}"
+
+
 def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
     """One output token, no stream, and neither stored nor run in the background on P."""
     return {"max_output_tokens": 1, p.STREAM: False, "store": False, "background": False}
@@ -125,6 +133,8 @@ class OpenAIResponses:
 
     name = "responses"
     path = p.RESPONSES_PATH
+    field = _INPUT
+    where = staticmethod(where)
     rewrites = False
     pins_uuids = True
     may_hold_media = staticmethod(may_hold_media)
