@@ -194,8 +194,17 @@ class EPDConfig(BaseModel):
         description="Seconds sent in Retry-After with a 503.",
     )
     paths: tuple[str, ...] = Field(
-        default=("/v1/chat/completions",),
-        description="Chat-completions request paths whose POST bodies are examined.",
+        default=("/v1/chat/completions", "/invocations"),
+        description=(
+            "Chat-completions request paths whose POST bodies are examined. SageMaker's /invocations, "
+            "which vLLM serves by default, runs a chat request for a body that is one."
+        ),
+    )
+    batch_paths: tuple[str, ...] = Field(
+        default=("/v1/chat/completions/batch",),
+        description=(
+            "Batch chat request paths (messages: a list of conversations) whose POST bodies are examined."
+        ),
     )
     messages_paths: tuple[str, ...] = Field(
         default=("/v1/messages",),
@@ -385,7 +394,7 @@ class EPDConfig(BaseModel):
             parse_nameserver(entry)
         return entries
 
-    @field_validator("paths", "messages_paths", "responses_paths")
+    @field_validator("paths", "batch_paths", "messages_paths", "responses_paths")
     @classmethod
     def _check_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
         for path in paths:
@@ -420,10 +429,10 @@ class EPDConfig(BaseModel):
                 "at least one encoder URL is required (EPD_ENCODERS or encoders=[...]), or prefill URLs "
                 "for P/D without remote encoders, or scheduler='llm-d'"
             )
-        surfaces = (self.paths, self.messages_paths, self.responses_paths)
+        surfaces = (self.paths, self.batch_paths, self.messages_paths, self.responses_paths)
         shared = {path for path in set().union(*surfaces) if sum(path in paths for paths in surfaces) > 1}
         if shared:
-            raise ValueError(f"paths, messages_paths and responses_paths share {sorted(shared)}")
+            raise ValueError(f"paths, batch_paths, messages_paths and responses_paths share {sorted(shared)}")
         if self.max_eject_cooldown < self.eject_cooldown:
             raise ValueError("max_eject_cooldown must not be shorter than eject_cooldown")
         return self
@@ -502,6 +511,7 @@ class EPDOptions(TypedDict, total=False):
     max_pending_requests: int
     retry_after: int
     paths: Sequence[str]
+    batch_paths: Sequence[str]
     messages_paths: Sequence[str]
     responses_paths: Sequence[str]
     max_body_bytes: int

@@ -16,7 +16,16 @@ from .errors import UpstreamBadReply
 from .plan import MediaItem
 from .protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ITEM_INDICES, METADATA
 
-__all__ = ["Handle", "ItemKey", "match_reply", "part_metadata", "push_items", "transfer_params"]
+__all__ = [
+    "MAX_ENTRY_DEPTH",
+    "Handle",
+    "ItemKey",
+    "match_reply",
+    "part_metadata",
+    "push_items",
+    "transfer_params",
+    "within_depth",
+]
 
 ItemKey = tuple[str, str]  # (modality, uuid)
 
@@ -60,7 +69,11 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
 
     for mm_hash, entry in ec_transfer_params.items():
         if not isinstance(entry, dict):
-            raise UpstreamBadReply(encoder, f"ec_transfer_params entry {mm_hash!r} is not an object")
+            raise UpstreamBadReply(encoder, f"ec_transfer_params entry {mm_hash[:80]!r} is not an object")
+        if not within_depth(entry, MAX_ENTRY_DEPTH):
+            # It goes into the engine's body: one too deep to write again must fail here, as this
+            # server's bad answer, not later as the request's.
+            raise UpstreamBadReply(encoder, f"ec_transfer_params entry {mm_hash[:80]!r} nests too deeply")
         handle = Handle(mm_hash, entry)
         indices = entry.get(ITEM_INDICES)
         if indices is not None:
@@ -76,6 +89,24 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
                 f"ec_transfer_params entry {mm_hash!r} matches none of the {len(items)} items sent",
             )
     return {(items[index].modality, items[index].uuid): handle for index, handle in matched.items()}
+
+
+# Entries are a few levels deep (metadata arrays, connector fields); far deeper is a broken server.
+MAX_ENTRY_DEPTH = 32
+
+
+def within_depth(value: Any, limit: int) -> bool:
+    """Whether a decoded JSON value nests at most ``limit`` containers deep (iteratively: it may not)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return True
 
 
 def _checked_indices(encoder: str, count: int, mm_hash: str, indices: Any) -> list[int]:

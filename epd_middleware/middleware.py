@@ -38,9 +38,17 @@ from .protocol import (
     MooncakeConsumers,
     example_connector_storage,
     mooncake_consumers,
+    unguarded_routes,
 )
 from .scheduler import NO_ROUTE, Route
-from .surfaces import ParsedRequest, Surface, anthropic_messages, openai_chat, openai_responses
+from .surfaces import (
+    ParsedRequest,
+    Surface,
+    anthropic_messages,
+    openai_chat,
+    openai_chat_batch,
+    openai_responses,
+)
 from .transport import HTTPClient, HttpxTransport, Transport
 
 __all__ = ["EPDMiddleware"]
@@ -85,6 +93,7 @@ class EPDMiddleware:
         self.config = config
         self._surfaces: dict[str, Surface] = {
             **{path: openai_chat.SURFACE for path in config.paths},
+            **{path: openai_chat_batch.SURFACE for path in config.batch_paths},
             **{path: anthropic_messages.SURFACE for path in config.messages_paths},
             **{path: openai_responses.SURFACE for path in config.responses_paths},
         }
@@ -173,6 +182,9 @@ class EPDMiddleware:
                     "pending_requests": pipeline.pending,
                     "counters": dict(pipeline.counters),
                     "embedding_storage_checked": self._server.storage(scope),
+                    "client_references": self._reference_status(scope),
+                    "media_policy": self._media_policy_status(scope),
+                    "unguarded_routes": list(unguarded_routes(_vllm_args(scope))),
                     "handle_reuse": self._reuse_status(scope),
                     "config": config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
                 },
@@ -203,6 +215,34 @@ class EPDMiddleware:
                 + " (strict_startup: the start fails; without it they are only left unused)"
             )
         return None
+
+    def _reference_status(self, scope: Scope) -> dict[str, Any]:
+        """Whether metadata-only parts a client writes itself are checked (and how far), or refused."""
+        storage, rule = self._server.storage(scope), self._server.identifiers(scope)
+        if storage is None:
+            return {
+                "checked": False,
+                "why_not": "no embedding storage to look in (only ECExampleConnector with check_embeddings): "
+                "every such part is refused with 400",
+            }
+        return {
+            "checked": True,
+            "storage": storage,
+            "with_options": rule.derives_options,
+            "why_not_with_options": None
+            if rule.derives_options
+            else rule.unknown_because
+            or "outside vLLM the model path is not known: such parts with per-request options are refused",
+        }
+
+    def _media_policy_status(self, scope: Scope) -> dict[str, Any] | None:
+        policy = self._server.media_policy(scope)
+        if policy is None:
+            return None
+        return {
+            "allowed_media_domains": list(policy.allowed_domains) or None,
+            "local_files": policy.local_root is not None,
+        }
 
     def _reuse_status(self, scope: Scope) -> dict[str, Any]:
         """Whether media is reused (the answer for a request on this server without a pinned Mooncake
@@ -322,7 +362,7 @@ class _ServerFacts:
         """SHA-256 digests of every key accepted: the configured ones and vLLM's ``--api-key`` (a list
         from vLLM's command line; a plain string from older versions and custom launchers)."""
         if self._keys is None:
-            args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+            args = _vllm_args(scope)
             cli_keys = getattr(args, "api_key", None) or []
             if isinstance(cli_keys, str):
                 cli_keys = [cli_keys]
@@ -683,6 +723,11 @@ class _RequestIds:
 
 
 _new_request_id = _RequestIds()
+
+
+def _vllm_args(scope: Scope) -> object | None:
+    """The command line of the vLLM server the middleware runs in (its app's state), if any."""
+    return getattr(getattr(scope.get("app"), "state", None), "args", None)
 
 
 def _vllm_config(scope: Scope) -> object | None:

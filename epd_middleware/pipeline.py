@@ -10,6 +10,7 @@ the pools (static URLs and DNS names, :mod:`.discovery`) or from a scheduler's h
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid as uuid_module
@@ -142,7 +143,7 @@ class Pipeline:
         goes through P, so every body is parsed.
         """
         with_prefill = bool(self.config.prefill or route.prefill)
-        if not with_prefill and not surface.may_hold_media(body):
+        if not with_prefill and _scannable(body) and not surface.may_hold_media(body):
             return None
         started = time.perf_counter()
         request = surface.parse(body)
@@ -463,6 +464,16 @@ class Pipeline:
         if logger.isEnabledFor(logging.INFO):
             notes.append(f"prefill {elapsed * 1000:.1f} ms")
         return decode_fields(fields, kv_params)
+
+
+def _scannable(body: bytes) -> bool:
+    """Whether a byte scan for ASCII tokens sees the body's text: UTF-8. vLLM's json.loads also takes
+    UTF-16 and UTF-32 (told by a BOM or the zero bytes of the first characters), where every letter comes
+    with zero bytes between: such a body is always parsed."""
+    return json.detect_encoding(body[:4]) in _UTF8
+
+
+_UTF8 = frozenset({"utf-8", "utf-8-sig"})
 
 
 async def _check_media_policy(surface: Surface, request: ParsedRequest, policy: MediaPolicy) -> None:

@@ -71,6 +71,9 @@ FORWARDED_OPTIONS: Final[tuple[str, ...]] = (
 
 # Encoders are always driven through chat completions, whatever surface the client used.
 CHAT_COMPLETIONS_PATH: Final = "/v1/chat/completions"
+CHAT_BATCH_PATH: Final = "/v1/chat/completions/batch"
+# SageMaker's endpoint, on by default in vLLM: it serves a body that validates as a chat request as one.
+SAGEMAKER_PATH: Final = "/invocations"
 MESSAGES_PATH: Final = "/v1/messages"
 RESPONSES_PATH: Final = "/v1/responses"
 
@@ -214,3 +217,13 @@ def mooncake_consumers(vllm_config: object) -> MooncakeConsumers | None:
         host = f"[{host}]"  # an IPv6 literal, as vLLM's make_zmq_path writes it
     by_rank = {rank: f"tcp://{host}:{port + rank * tp}" for rank in range(first, first + count)}
     return MooncakeConsumers(by_rank, pin=dp > 1 and count > 1)
+
+
+def unguarded_routes(args: object) -> tuple[str, ...]:
+    """Routes this vLLM server serves (by its command line) that take multimodal references or transfer
+    parameters in a form the middleware does not read: ``--enable-scale-out`` and ``--tokens-only`` open
+    ``/inference/v1/generate`` (``entrypoints/scale_out/``), whose ``features`` name embeddings by hash
+    and whose ``sampling_params.extra_args`` carry ``ec_transfer_params``."""
+    if getattr(args, "enable_scale_out", False) or getattr(args, "tokens_only", False):
+        return ("/inference/v1/generate",)
+    return ()

@@ -17,6 +17,7 @@ from typing import Any
 from .config import EPDConfig
 from .logs import adopt_vllm_logging, logger
 from .middleware import EPDMiddleware
+from .protocol import unguarded_routes
 
 __all__ = ["EPDPlugin", "check_keys", "check_server", "plugin", "vllm_api_keys"]
 
@@ -54,6 +55,13 @@ class EPDPlugin:
         check_server(getattr(state, "vllm_config", None), self.config)
         if self.config is not None:
             check_keys(self.config, args)
+        for route in unguarded_routes(args):
+            logger.warning(
+                "epd: this server serves %s (--enable-scale-out / --tokens-only), which takes embedding "
+                "references and transfer parameters the middleware never sees: a client there can make the "
+                "engine reference an embedding that does not exist. Keep it from clients on a PD server.",
+                route,
+            )
         if not getattr(args, "trust_request_mm_kwargs", True):
             # Not fatal: deployments whose clients never send options work without it.
             logger.warning(

@@ -303,3 +303,58 @@ async def test_affinity_batches_images_per_encoder_and_sends_audio_alone() -> No
     assert sum(sizes) == 11
     assert max(sizes) <= 3
     assert len(encoders.calls) <= 6  # batched: ceil over two encoders, plus the audio call
+
+
+# --- reuse across surfaces (issue 20, item 1) -------------------------------------------------------
+
+
+def messages_body(data: str) -> dict[str, Any]:
+    source = {"type": "base64", "media_type": "image/png", "data": data}
+    return {
+        "model": "tiny-qwen2-vl",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}],
+    }
+
+
+async def test_an_image_seen_on_messages_is_encoded_again_for_chat_and_the_other_way(tmp_path: Path) -> None:
+    """Messages lets the engine hash the image itself, chat pins the content uuid: the same image has
+    two identifiers. Before: one reuse key for both, so chat after Messages got a reference to an
+    embedding stored under the other identifier (missing: the engine would have died), and Messages
+    after chat silently lost disaggregation."""
+    from .test_hostile_clients import post as post_to
+
+    for first, second in (("messages", "chat"), ("chat", "messages")):
+        encoders, engine = FakeEncoders(E[:1]), FakeEngine()
+        app = app_with(encoders, engine, tmp_path / first)
+        data = png(7)
+        bodies = {"messages": messages_body(data), "chat": chat_body(image(data))}
+        paths = {"messages": "/v1/messages", "chat": "/v1/chat/completions"}
+        for surface in (first, second):
+            assert (await post_to(app, bodies[surface], paths[surface])).status_code == 200
+        assert items_sent(encoders) == 2, first  # encoded for each surface
+        chat = engine.received[0 if first == "chat" else 1].json
+        [part] = media_parts(chat)
+        assert part["type"] == "image_embeds"
+        assert (tmp_path / first / part["uuid"] / "encoder_cache.safetensors").exists()
+        assert list(chat["ec_transfer_params"]) == [part["uuid"]]
+        # ... and each surface reuses its own from then on.
+        for surface in (first, second):
+            assert (await post_to(app, bodies[surface], paths[surface])).status_code == 200
+        assert items_sent(encoders) == 2
+
+
+def test_a_cached_handle_under_another_identifier_than_the_engines_is_dropped(tmp_path: Path) -> None:
+    from epd_middleware.handles import Handle
+    from epd_middleware.reuse import HandleCache
+
+    cache = HandleCache(8)
+    for name in ("u", "other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "encoder_cache.safetensors").write_bytes(b"x")
+    key = ("image", "u", b"k")
+    cache.put({("image", "u"): key}, {("image", "u"): Handle("other", {})})
+    assert cache.take({("image", "u"): key}, str(tmp_path), {("image", "u"): "u"}) == {}
+    assert len(cache) == 0
+    cache.put({("image", "u"): key}, {("image", "u"): Handle("u", {})})
+    assert cache.take({("image", "u"): key}, str(tmp_path), {("image", "u"): "u"}) != {}

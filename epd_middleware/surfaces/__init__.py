@@ -212,8 +212,9 @@ def decode_object(body: bytes) -> tuple[dict[str, Any], bool] | None:
     return (fields, compat) if isinstance(fields, dict) else None
 
 
-def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest]) -> ParsedRequest | None:
-    """``find`` the media of a JSON object body; None when the body is not one (vLLM answers it).
+def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest | None]) -> ParsedRequest | None:
+    """``find`` the media of a JSON object body; None when the body is not one (vLLM answers it), or
+    ``find`` says it is not this surface's request at all.
 
     A body whose shape is off where ``find`` looks (it raises :class:`Unusable`) goes to vLLM as sent
     only when nothing in it is the middleware's to handle; otherwise :class:`UnreadableRequest`: vLLM
@@ -229,6 +230,8 @@ def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest]) -> 
         found = controlled_content(fields)
         if found is not None:
             raise UnreadableRequest(found) from None
+        return None
+    if request is None:
         return None
     return dataclasses.replace(request, compat=True) if compat else request
 

@@ -1,7 +1,8 @@
 """The OpenAI chat-completions request surface: where media sits in the body and how it is written back.
 
-Parsing is all-or-nothing: a body whose shape is off anywhere the middleware must look is left to vLLM,
-which answers it with its own 400; the middleware never guesses at a half-understood request.
+Parsing is all-or-nothing: the middleware never guesses at a half-understood request. A body whose shape
+is off anywhere the middleware must look is left to vLLM (which answers it with its own 400) when it
+holds nothing the middleware must handle, and refused otherwise (:func:`~epd_middleware.surfaces.parse_with`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ __all__ = [
     "encoder_body",
     "encoder_part",
     "engine_fields",
+    "engine_part",
+    "find_in_messages",
     "find_parts",
     "forwarded_options",
     "may_hold_media",
@@ -75,34 +78,50 @@ def parse(body: bytes) -> ParsedRequest | None:
     return parse_with(body, _find_media)
 
 
-def _find_media(fields: dict[str, Any]) -> ParsedRequest:
+def _find_media(fields: dict[str, Any]) -> ParsedRequest | None:
+    if p.MESSAGES not in fields:
+        # Not a chat request: vLLM refuses it on the chat path, and SageMaker's /invocations, which
+        # shares this surface, serves it as a completion (no media).
+        return None
     messages = checked_messages(fields)
     media: list[MediaPart] = []
     referenced: set[str] = set()
     references: list[Reference] = []
+    find_in_messages((), messages, media, referenced, references)
+    return ParsedRequest(fields, tuple(media), frozenset(referenced), tuple(references))
+
+
+def find_in_messages(
+    prefix: tuple[int, ...],
+    messages: list[Any],
+    media: list[MediaPart],
+    referenced: set[str],
+    references: list[Reference],
+) -> None:
+    """The media of one conversation, at locations ``(*prefix, message index, part index)``."""
     for message_index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise Unusable
         content = message.get(p.CONTENT)
         if isinstance(content, list):
-            find_parts(message_index, content, media, referenced, references)
-    return ParsedRequest(fields, tuple(media), frozenset(referenced), tuple(references))
+            find_parts((*prefix, message_index), content, media, referenced, references)
 
 
 def find_parts(
-    index: int,
+    prefix: tuple[int, ...],
     parts: list[Any],
     media: list[MediaPart],
     referenced: set[str],
     references: list[Reference],
 ) -> None:
     """The media parts of one content list (vLLM's chat parser reads it), into ``media`` at locations
-    ``(index, part index)``; the modalities referenced by uuid alone into ``referenced``; the client's
+    ``(*prefix, part index)``; the modalities referenced by uuid alone into ``referenced``; the client's
     own metadata-only parts into ``references``."""
     for part_index, part in enumerate(parts):
         if not isinstance(part, dict):
             continue  # plain-string parts are text; vLLM judges anything else
-        reference = reference_of(part, (index, part_index))
+        location = (*prefix, part_index)
+        reference = reference_of(part, location)
         if reference is not None:
             references.append(reference)
             continue
@@ -116,7 +135,7 @@ def find_parts(
         client_uuid = text_of(part.get(p.UUID))
         if client_uuid is not None and not isinstance(client_uuid, str):
             raise Unusable
-        media.append(MediaPart((index, part_index), modality, part, media_content, client_uuid))
+        media.append(MediaPart(location, modality, part, media_content, client_uuid))
 
 
 def _part_kind(part: Mapping[str, Any]) -> str | None:
@@ -223,14 +242,15 @@ def engine_fields(
         fields[p.MESSAGES],
         lambda _: p.CONTENT,
         (
-            (media.location, _engine_part(media, uuid, meta))
+            (media.location, engine_part(media, uuid, meta))
             for media, uuid, meta in zip(request.media, uuids, metadata, strict=True)
         ),
     )
     return with_handles(fields, ec_transfer_params)
 
 
-def _engine_part(media: MediaPart, uuid: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+def engine_part(media: MediaPart, uuid: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The part the engine gets: a metadata-only reference, or the client's part with its uuid pinned."""
     if meta is None:
         return {**media.part, p.UUID: uuid}
     kind = p.embeds_type(media.modality)

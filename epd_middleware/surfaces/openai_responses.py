@@ -47,9 +47,9 @@ _HISTORY_FIELDS = ("previous_response_id", "conversation")
 
 
 def may_hold_media(body: bytes) -> bool:
-    """Every image part holds an ``image_url`` key (``input_image``, or chat-style parts); a body with
-    ``vllm_xargs``, or a ``\\u`` escape (which could spell either), is parsed too."""
-    return b'image_url"' in body or b"_xargs" in body or b"\\u" in body
+    """Every image part holds an ``image_url`` key (``input_image``, or chat-style parts); a body with a
+    reference (``_embeds``), ``vllm_xargs``, or a ``\\u`` escape (which could spell any), is parsed too."""
+    return any(token in body for token in (b'image_url"', b"_embeds", b"_xargs", b"\\u"))
 
 
 def parse(body: bytes) -> ParsedRequest | None:
@@ -81,7 +81,7 @@ def _find_media(fields: dict[str, Any]) -> ParsedRequest:
         key = _parts_key(item)
         parts = item.get(key) if key else None
         if isinstance(parts, list):
-            find_parts(item_index, parts, media, referenced, references)
+            find_parts((item_index,), parts, media, referenced, references)
     return ParsedRequest(fields, tuple(media), frozenset(referenced), tuple(references))
 
 
