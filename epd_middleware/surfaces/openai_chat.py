@@ -61,16 +61,14 @@ def may_hold_media(body: bytes) -> bool:
     is full of underscores (code, say). JSON can spell any of these letters as a ``\\u`` escape, which
     no byte scan sees through: a body with an escape is parsed (``\\n`` and the like spell none of them).
     """
-    if b"\\u" in body:
-        return True
     position = body.find(b"_")
     for _ in range(64):
         if position < 0:
-            return False
+            return b"\\u" in body
         if body.startswith(_TOKENS, position):
             return True
         position = body.find(b"_", position + 1)
-    return any(token in body for token in _TOKENS)
+    return any(token in body for token in _TOKENS) or b"\\u" in body
 
 
 def parse(body: bytes) -> ParsedRequest | None:

@@ -166,8 +166,13 @@ def test_audio_equals_the_single_instance_and_pd_gets_no_samples(
     assert_same(direct, baseline)
 
 
-def test_zz_audio_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
-    """What the middleware prevents, for audio: the encoder ran without the options, PD with them."""
+def test_zz_audio_reference_under_dropped_options_is_refused_by_the_middleware(
+    deployment: Deployment,
+) -> None:
+    """What the middleware prevents, for audio: the encoder ran without the options, PD runs with them,
+    so the engine would look for the embedding under the hash it derives from them, which nobody
+    stored. Sent by a client straight to PD, the middleware finds it missing and refuses it (400); the
+    engine, which would have died on it, goes on serving."""
     part, uuid = audio_part(deployment, "audio_url"), "audio-negative-control"
     reply = encode_on(deployment.audio_encoder, {**part, "uuid": uuid}, None)
     [(reported, entry)] = reply["ec_transfer_params"].items()
@@ -175,4 +180,10 @@ def test_zz_audio_negative_control_dropping_the_options_fails(deployment: Deploy
     reference = {"type": "audio_embeds", "audio_embeds": entry["metadata"], "uuid": uuid}
     body = request([reference], AUDIO_OPTIONS, AUDIO_MODEL)
     body["ec_transfer_params"] = reply["ec_transfer_params"]
+    refused = chat(deployment.audio_pd, body)
+    record("audio reference under dropped options", refused)
+    assert refused.status_code == 400, refused.text
+    assert "does not have" in refused.json()["error"]["message"]
     assert_fails("audio negative control (options dropped)", deployment.audio_pd, body)
+    alive = request([audio_part(deployment, "input_audio")], AUDIO_OPTIONS, AUDIO_MODEL)
+    assert_same(chat(deployment.audio_pd, alive), chat(deployment.audio_single, alive))
