@@ -159,6 +159,6 @@ def _check_stored(encoder: str, handles: Mapping[ItemKey, Handle], storage: str)
     for handle in handles.values():
         mm_hash = handle.mm_hash
         if example_connector_file(storage, mm_hash) is None:
-            raise UpstreamBadReply(encoder, f"reported hash {mm_hash!r} is not a valid file name")
+            raise UpstreamBadReply(encoder, f"reported hash {mm_hash[:80]!r} is not a valid file name")
         if not embedding_stored(storage, mm_hash):
-            raise UpstreamBadReply(encoder, f"the embedding of {mm_hash!r} is not in the shared storage")
+            raise UpstreamBadReply(encoder, f"the embedding of {mm_hash[:80]!r} is not in the shared storage")

@@ -63,7 +63,7 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
         if index in matched:
             raise UpstreamBadReply(
                 encoder,
-                f"item {index} is claimed by both {matched[index].mm_hash!r} and {handle.mm_hash!r}",
+                f"item {index} is claimed by both {matched[index].mm_hash[:80]!r} and {handle.mm_hash[:80]!r}",
             )
         matched[index] = handle
 
@@ -86,7 +86,7 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
         else:
             raise UpstreamBadReply(
                 encoder,
-                f"ec_transfer_params entry {mm_hash!r} matches none of the {len(items)} items sent",
+                f"ec_transfer_params entry {mm_hash[:80]!r} matches none of the {len(items)} items sent",
             )
     return {(items[index].modality, items[index].uuid): handle for index, handle in matched.items()}
 
@@ -111,17 +111,17 @@ def within_depth(value: Any, limit: int) -> bool:
 
 def _checked_indices(encoder: str, count: int, mm_hash: str, indices: Any) -> list[int]:
     if not isinstance(indices, list) or not indices:
-        raise UpstreamBadReply(encoder, f"item_indices of {mm_hash!r} is not a non-empty list")
+        raise UpstreamBadReply(encoder, f"item_indices of {mm_hash[:80]!r} is not a non-empty list")
     for index in indices:
         if type(index) is not int:
-            raise UpstreamBadReply(encoder, f"item_indices of {mm_hash!r} holds a non-integer {index!r}")
+            raise UpstreamBadReply(encoder, f"item_indices of {mm_hash[:80]!r} holds a non-integer {str(index)[:40]!r}")
         if not 0 <= index < count:
             raise UpstreamBadReply(
                 encoder,
-                f"item_indices of {mm_hash!r} holds {index}, out of range for {count} items",
+                f"item_indices of {mm_hash[:80]!r} holds {index}, out of range for {count} items",
             )
     if len(set(indices)) != len(indices):
-        raise UpstreamBadReply(encoder, f"item_indices of {mm_hash!r} repeats an index")
+        raise UpstreamBadReply(encoder, f"item_indices of {mm_hash[:80]!r} repeats an index")
     return indices
 
 

@@ -116,7 +116,7 @@ def hash_kwargs(algorithm: str, **kwargs: Any) -> str:
         for key, value in sorted(kwargs.items()):
             for chunk in (*_framed(key.encode("utf-8")), *_value(value)):
                 hasher.update(chunk)
-    except (_NotReproducible, UnicodeEncodeError, RecursionError):
+    except (_NotReproducible, UnicodeEncodeError, RecursionError, ValueError):
         raise ValueError("not reproducibly hashable") from None
     digest: str = hasher.hexdigest()
     return digest

@@ -44,7 +44,10 @@ class MediaPolicy:
         if isinstance(url, Raw):
             if bytes(raw_text(url)[:5]).lower() == b"data:":
                 return None  # a long data URL stays undecoded
-            url = str(text_of(url))
+            try:
+                url = str(text_of(url))
+            except ValueError:  # a raw control character: vLLM cannot read the body at all
+                return "The URL is not a valid JSON string."
         if url[:5].lower() == "data:":
             return None
         from urllib3.util import parse_url  # vLLM's parser; imported where a policy applies

@@ -56,7 +56,7 @@ from .protocol import (
 )
 from .reuse import HandleCache, ReuseKey, request_key
 from .scheduler import NO_ROUTE, Route, Scheduler
-from .surfaces import ParsedRequest, Surface, Unusable, encode_fields
+from .surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .transport import Transport
 
 __all__ = ["Pipeline", "RequestContext"]
@@ -143,13 +143,22 @@ class Pipeline:
         goes through P, so every body is parsed.
         """
         with_prefill = bool(self.config.prefill or route.prefill)
-        if not with_prefill and _scannable(body) and not surface.may_hold_media(body):
+        # Where the middleware runs remote prefill, where a decoder takes its KV cache from is its call.
+        owns_kv = bool(self.config.prefill) or self.scheduler is not None
+        named_kv = owns_kv and b"kv_transfer_params" in body
+        if not (with_prefill or named_kv) and _scannable(body) and not surface.may_hold_media(body):
             return None
         started = time.perf_counter()
         request = surface.parse(body)
         if request is None:
+            # Not this surface's request (a completion on /invocations): it still sets nothing that is
+            # the middleware's to set.
+            if owns_kv or b"_xargs" in body or b"\\u" in body or not _scannable(body):
+                decoded = decode_object(body)
+                if decoded is not None:
+                    refused_transfer_field(decoded[0], owns_kv=owns_kv, prefilled=False)
             return None
-        refused_transfer_field(request.fields)
+        refused_transfer_field(request.fields, owns_kv=owns_kv, prefilled=with_prefill)
         if not (request.media or request.references or with_prefill):
             return None
         self.stats.stage("parse", time.perf_counter() - started)
@@ -336,17 +345,8 @@ class Pipeline:
         keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
         rewrite = config.rewrite and surface.rewrites
         keep_raw = request.referenced_modalities
-        if rewrite and rule.derives_options:
-            # Inside vLLM an item whose identifier cannot be derived here is not made a reference: its
-            # embedding could not be confirmed under the name the engine will look for.
-            unknown = {
-                key[0] for key, identifier in expected.items() if identifier is None and key in handles
-            }
-            if unknown:
-                self.stats.counters["identifier_unknown_items"] += sum(
-                    1 for key, identifier in expected.items() if identifier is None and key in handles
-                )
-                keep_raw = keep_raw | unknown
+        if rewrite:
+            keep_raw = keep_raw | self._unconfirmed(handles, expected, rule, context.storage, reuse_keys)
         metadata = part_metadata(keys, handles, rewrite=rewrite, keep_raw=keep_raw)
         ec_params = transfer_params(handles)
         if context.push_to is not None:
@@ -368,6 +368,30 @@ class Pipeline:
                 + (f"; {fallen} left to the local engine" if fallen else "")
             )
         return fields
+
+    def _unconfirmed(
+        self,
+        handles: Mapping[ItemKey, Handle],
+        expected: Mapping[ItemKey, str | None],
+        rule: IdentifierRule,
+        storage: str | None,
+        reuse_keys: Mapping[ItemKey, ReuseKey],
+    ) -> frozenset[str]:
+        """The modalities that must stay raw because one of their handles cannot be confirmed as a
+        reference just before the engine gets it: inside vLLM (the model path known) an identifier that
+        cannot be derived here, and with storage an embedding no longer there (it was checked when its
+        call returned or when it was reused; a cleanup may have removed it while the other calls ran)."""
+        unconfirmed: set[str] = set()
+        for key, handle in handles.items():
+            if rule.model is not None and key in expected and expected[key] is None:
+                self.stats.counters["identifier_unknown_items"] += 1
+                unconfirmed.add(key[0])
+            elif storage is not None and not embedding_stored(storage, handle.mm_hash):
+                self.stats.counters["embeddings_gone_before_the_engine"] += 1
+                unconfirmed.add(key[0])
+                if key in reuse_keys:
+                    self.reuse.forget((reuse_keys[key],))
+        return frozenset(unconfirmed)
 
     def reuse_blocker(self, storage: str | None, *, pushed: bool) -> str | None:
         """Why media may not be taken from the reuse cache (given where embeddings are checked, and
@@ -487,15 +511,23 @@ async def _check_media_policy(surface: Surface, request: ParsedRequest, policy: 
             raise MediaRefused(refusal, param=surface.field)
 
 
-def refused_transfer_field(fields: Mapping[str, Any]) -> None:
-    """``vllm_xargs`` that sets ``ec_transfer_params`` or ``kv_transfer_params``: vLLM copies it into the
-    engine request where the body's own field is empty, and its values are never the objects a connector
-    reads (a string there breaks the engine's scheduler). Only the body's fields carry them."""
+def refused_transfer_field(fields: Mapping[str, Any], *, owns_kv: bool, prefilled: bool) -> None:
+    """Fields a client may not set. ``vllm_xargs`` setting ``ec_transfer_params`` or
+    ``kv_transfer_params``: vLLM copies it into the engine request where the body's own field is empty,
+    and its values are never the objects a connector reads (a string there breaks the engine's
+    scheduler). And where the middleware runs remote prefill (``owns_kv``), the client's own
+    ``kv_transfer_params`` on a request it does not prefill remotely: they would tell this decoder which
+    host to take a KV cache from (a prefilled request gets P's instead)."""
     xargs = fields.get(VLLM_XARGS)
     if isinstance(xargs, dict):
         for name in (EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS):
             if name in xargs:
                 raise RefusedField(f"vllm_xargs must not set {name}", param=VLLM_XARGS)
+    if owns_kv and not prefilled and fields.get(KV_TRANSFER_PARAMS) is not None:
+        raise RefusedField(
+            "kv_transfer_params are set by this server, which runs remote prefill itself",
+            param=KV_TRANSFER_PARAMS,
+        )
 
 
 def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:

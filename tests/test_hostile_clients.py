@@ -9,6 +9,7 @@ import codecs
 import json
 import logging
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -579,3 +580,122 @@ def test_credentials_in_a_server_url_are_refused_and_never_repeated(field: str) 
     with pytest.raises(ValueError, match="credentials") as from_env:
         EPDConfig.from_env({f"EPD_{field.upper()}": "dns+http://user:s3cret@enc:8001"})
     assert "s3cret" not in str(from_env.value)
+
+
+# --- found by attacking the fixes above (an outside tester's report) -------------------------------
+
+
+async def test_a_completion_on_invocations_sets_no_transfer_parameter_either() -> None:
+    """A body without messages passes as vLLM's completion, but still carries nothing that is the
+    middleware's to set: vllm_xargs transfer keys anywhere, kv_transfer_params where it prefills."""
+    encoders, engine, prefill = FakeEncoders([E0]), FakeEngine(), FakePrefill([P0])
+    app, _ = build_app(encoders, engine, prefill)
+    app.router.routes.append(recording_route(engine, "/invocations"))
+    forged = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1}
+    for fields in ({"kv_transfer_params": forged}, {"vllm_xargs": {"ec_transfer_params": "abc"}}):
+        response = await post(app, {"model": "m", "prompt": "hi", **fields}, "/invocations")
+        assert response.status_code == 400
+    assert engine.received == []
+    assert (await post(app, {"model": "m", "prompt": "hi"}, "/invocations")).status_code == 200
+
+
+async def test_in_llm_d_mode_a_request_not_prefilled_remotely_takes_no_kv_source_from_the_client() -> None:
+    """Without x-prefiller-host-port the request decodes here; the client's own kv_transfer_params would
+    have told the decoder which host to pull a KV cache from, past the header's allowlist."""
+    app, _, engine = llmd_app(scheduler_allow=["127.0.0.0/24"])
+    forged = {"do_remote_prefill": True, "remote_host": "203.0.113.7", "remote_port": 5600}
+    for body in (chat_body(kv_transfer_params=forged), chat_body(image(png(1)), kv_transfer_params=forged)):
+        response = await post(app, body)
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "kv_transfer_params"
+    assert engine.received == []
+
+
+@pytest.mark.parametrize("where", ["uuid", "cache_salt", "url"])
+async def test_a_long_string_with_a_raw_control_character_is_left_to_vllm_not_a_500(where: str) -> None:
+    """Long strings stay raw, unchecked, until read as text: one holding a raw newline made that read
+    raise (a 500). Such a body is not JSON as vLLM reads it either: vLLM answers it."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, domains=["media.example"])
+    bad = "A" * 3000 + "\n B"
+    part: dict[str, Any] = image(png(1))
+    fields: dict[str, Any] = {"pad": "C" * 20_000}
+    if where == "uuid":
+        part["uuid"] = bad
+    elif where == "cache_salt":
+        fields["cache_salt"] = bad
+    else:
+        part = {"type": "image_url", "image_url": {"url": "http://media.example/" + bad}}
+    raw = json.dumps(chat_body(part, **fields)).encode().replace(b"\\n", b"\n")
+    response = await post(app, raw)
+    assert response.status_code in (200, 400)  # the fake engine's 400 for bodies it cannot read
+    assert encoders.calls == []
+    for record in engine.received:
+        assert record.body == raw
+
+
+async def test_responses_audio_is_found_counted_and_checked() -> None:
+    """Before: the Responses byte scan looked for images only, so audio went to the engine unread."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, max_media_items=2)
+    audio = {"type": "input_audio", "input_audio": {"data": "QUJD", "format": "wav"}}
+    body = {"model": "m", "input": [{"role": "user", "content": [audio, audio, dict(audio, format="mp3")]}]}
+    assert (await post(app, body, "/v1/responses")).status_code == 400
+    assert engine.received == []
+
+
+@pytest.mark.parametrize(
+    ("part", "stray"),
+    [
+        (
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}, "video_embeds": None},
+            "video_embeds",
+        ),
+        (
+            {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}, "audio_embeds": None},
+            "audio_embeds",
+        ),
+        (
+            {
+                "type": "video_url",
+                "video_url": {"url": "data:video/mp4;base64,AAAA"},
+                "image_url": {"url": "http://169.254.169.254/x"},
+            },
+            "image_url",
+        ),
+    ],
+)
+async def test_a_pinned_uuid_never_changes_how_vllm_types_a_part(part: dict[str, Any], stray: str) -> None:
+    """With a uuid vLLM types a part by the first media key it holds, not by its type: a stray key
+    beside the media turned the part the middleware pinned into a reference to nothing, or made the
+    encoder fetch a URL no policy saw. The stray key is dropped (without a uuid vLLM ignores it)."""
+    encoders, engine = FakeEncoders([E0], mode={E0: "no_entries"}), FakeEngine()
+    app = inside_vllm(encoders, engine, domains=["media.example"])
+    assert (await post(app, chat_body(part))).status_code == 200
+    [call] = encoders.calls
+    assert stray not in call.body["messages"][0]["content"][0]
+    [sent] = media_parts(engine.received[0].json)
+    assert stray not in sent
+    assert sent["type"] == part["type"]
+    assert "uuid" in sent
+
+
+async def test_an_embedding_removed_while_other_calls_ran_is_not_referenced(tmp_path: Path) -> None:
+    """Checked when its call returned (or when reused), an embedding can go before the engine gets the
+    body: a cleanup while a slow sibling call runs. Each is looked at again at hand-off."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, tmp_path)
+    first = image(png(1))
+    assert (await post(app, chat_body(first))).status_code == 200  # cached and stored
+    [cached] = media_parts(engine.received[0].json)
+
+    real = encoders._handle
+
+    async def slow(encoder: str, request: httpx.Request) -> httpx.Response:
+        shutil.rmtree(tmp_path / cached["uuid"])  # gone while this call runs
+        return await real(encoder, request)
+
+    encoders._handle = slow  # type: ignore[method-assign]
+    assert (await post(app, chat_body(first, image(png(2))))).status_code == 200
+    parts = media_parts(engine.received[1].json)
+    assert [part["type"] for part in parts] == ["image_url", "image_url"]  # one modality: both stay raw

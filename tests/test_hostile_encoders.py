@@ -207,3 +207,24 @@ async def test_targets_a_client_names_share_one_metric_label() -> None:
     while not isinstance(stack, EPDMiddleware):
         stack = stack.app  # type: ignore[union-attr]
     assert len(stack.pipeline.stats._children) < 10
+
+
+async def test_tower_adapters_keep_every_item_raw(tmp_path: Path) -> None:
+    """With LoRA on the vision tower vLLM identifies an adapter's items as "<adapter>:<hash>": which
+    adapter a request runs under is the engine's to say, so nothing is made a reference."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, tmp_path)
+    app.state.vllm_config.lora_config = type("Lora", (), {"enable_tower_connector_lora": True})()
+    assert (await post(app, chat_body(image(png(1))))).status_code == 200
+    [part] = media_parts(engine.received[0].json)
+    assert part["type"] == "image_url"
+
+
+async def test_a_huge_hash_from_an_encoder_is_cut_short_in_the_error() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"ec_transfer_params": {"x" * 5_000_000: {"item_indices": [7]}}})
+
+    app, _ = app_with_encoder_handler(handler, encoders=[E0], check_models=False)
+    response = await post(app, chat_body(image(png(1))))
+    assert response.status_code == 502
+    assert len(response.content) < 2_000

@@ -133,7 +133,21 @@ def find_parts(
         client_uuid = text_of(part.get(p.UUID))
         if client_uuid is not None and not isinstance(client_uuid, str):
             raise Unusable
-        media.append(MediaPart(location, modality, part, media_content, client_uuid))
+        media.append(MediaPart(location, modality, _only_its_media(part), media_content, client_uuid))
+
+
+def _only_its_media(part: dict[str, Any]) -> dict[str, Any]:
+    """The part without media keys of other kinds. Once the middleware pins a uuid on it, vLLM types it by
+    the first media key it holds rather than by its ``type``: a stray ``video_embeds`` or ``image_url``
+    beside a ``video_url`` would turn it into a reference to nothing, or an encoder's fetch of a URL no
+    check saw. Without a uuid vLLM ignores those keys, so leaving them out changes nothing it reads."""
+    holder = p.MEDIA_PARTS[_part_kind(part) or ""][1]
+    if not any(key in part for key in p.PART_KEY_ORDER if key != holder):
+        return part
+    return {key: value for key, value in part.items() if key == holder or key not in _MEDIA_KEYS}
+
+
+_MEDIA_KEYS = frozenset(p.PART_KEY_ORDER)
 
 
 def _part_kind(part: Mapping[str, Any]) -> str | None:

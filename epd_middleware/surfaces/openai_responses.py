@@ -35,7 +35,7 @@ from . import (
 
 # An encoder sees the parts and options exactly as in a chat request: with a uuid, vLLM reads an
 # ``input_image`` part by its ``image_url`` key, as the engine will.
-from .openai_chat import encoder_body, encoder_part, find_parts
+from .openai_chat import encoder_body, encoder_part, find_parts, may_hold_media
 
 __all__ = ["SURFACE", "OpenAIResponses", "may_hold_media", "parse"]
 
@@ -44,12 +44,6 @@ _OUTPUT = "output"
 _TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
 # A Responses request that continues a stored conversation: its history lives on this server only.
 _HISTORY_FIELDS = ("previous_response_id", "conversation")
-
-
-def may_hold_media(body: bytes) -> bool:
-    """Every image part holds an ``image_url`` key (``input_image``, or chat-style parts); a body with a
-    reference (``_embeds``), ``vllm_xargs``, or a ``\\u`` escape (which could spell any), is parsed too."""
-    return any(token in body for token in (b'image_url"', b"_embeds", b"_xargs", b"\\u"))
 
 
 def parse(body: bytes) -> ParsedRequest | None:
