@@ -122,8 +122,8 @@ class UnreadableRequest(EPDError):
 
     def __init__(self, found: str) -> None:
         super().__init__(
-            f"the request holds {found} in a shape this server does not read; media, embedding "
-            "references and transfer parameters are taken only in the shapes vLLM documents"
+            f"the request holds {found} in a shape this server does not read; media and embedding "
+            "references are taken only in the shapes vLLM documents"
         )
 
 

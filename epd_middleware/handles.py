@@ -17,14 +17,12 @@ from .plan import MediaItem
 from .protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ITEM_INDICES, METADATA
 
 __all__ = [
-    "MAX_ENTRY_DEPTH",
     "Handle",
     "ItemKey",
     "match_reply",
     "part_metadata",
     "push_items",
     "transfer_params",
-    "within_depth",
 ]
 
 ItemKey = tuple[str, str]  # (modality, uuid)
@@ -63,17 +61,14 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
         if index in matched:
             raise UpstreamBadReply(
                 encoder,
-                f"item {index} is claimed by both {matched[index].mm_hash[:80]!r} and {handle.mm_hash[:80]!r}",
+                f"item {index} is claimed by both {matched[index].mm_hash[:80]!r} and "
+                f"{handle.mm_hash[:80]!r}",
             )
         matched[index] = handle
 
     for mm_hash, entry in ec_transfer_params.items():
         if not isinstance(entry, dict):
             raise UpstreamBadReply(encoder, f"ec_transfer_params entry {mm_hash[:80]!r} is not an object")
-        if not within_depth(entry, MAX_ENTRY_DEPTH):
-            # It goes into the engine's body: one too deep to write again must fail here, as this
-            # server's bad answer, not later as the request's.
-            raise UpstreamBadReply(encoder, f"ec_transfer_params entry {mm_hash[:80]!r} nests too deeply")
         handle = Handle(mm_hash, entry)
         indices = entry.get(ITEM_INDICES)
         if indices is not None:
@@ -91,30 +86,14 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
     return {(items[index].modality, items[index].uuid): handle for index, handle in matched.items()}
 
 
-# Entries are a few levels deep (metadata arrays, connector fields); far deeper is a broken server.
-MAX_ENTRY_DEPTH = 32
-
-
-def within_depth(value: Any, limit: int) -> bool:
-    """Whether a decoded JSON value nests at most ``limit`` containers deep (iteratively: it may not)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return False
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return True
-
-
 def _checked_indices(encoder: str, count: int, mm_hash: str, indices: Any) -> list[int]:
     if not isinstance(indices, list) or not indices:
         raise UpstreamBadReply(encoder, f"item_indices of {mm_hash[:80]!r} is not a non-empty list")
     for index in indices:
         if type(index) is not int:
-            raise UpstreamBadReply(encoder, f"item_indices of {mm_hash[:80]!r} holds a non-integer {str(index)[:40]!r}")
+            raise UpstreamBadReply(
+                encoder, f"item_indices of {mm_hash[:80]!r} holds a non-integer {str(index)[:40]!r}"
+            )
         if not 0 <= index < count:
             raise UpstreamBadReply(
                 encoder,

@@ -151,8 +151,8 @@ class Pipeline:
         started = time.perf_counter()
         request = surface.parse(body)
         if request is None:
-            # Not this surface's request (a completion on /invocations): it still sets nothing that is
-            # the middleware's to set.
+            # Not this surface's request (a completion on /invocations), or one vLLM will judge: it
+            # still sets nothing that is the middleware's to set.
             if owns_kv or b"_xargs" in body or b"\\u" in body or not _scannable(body):
                 decoded = decode_object(body)
                 if decoded is not None:

@@ -85,6 +85,8 @@ class DeadlinePassed(Exception):
     and no further server is tried."""
 
 
+# vLLM's answers are a few levels deep (choices, usage, handles with metadata); far deeper is broken.
+MAX_ANSWER_DEPTH = 64
 # The metrics label of servers outside the pool (named by a scheduler header).
 OTHER_SERVERS = "other"
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
@@ -532,6 +534,13 @@ class ServerPool:
             raise UpstreamBadReply(server, "the answer is not JSON", role=role) from None
         if not isinstance(reply, dict):
             raise UpstreamBadReply(server, "the answer is not a JSON object", role=role)
+        # Its handles go into the engine's body: an answer too deep to be written again must fail here,
+        # as this server's bad answer, not later as the request's. Counting brackets (C speed) spares
+        # the walk for every answer that cannot be that deep.
+        if content.count(b"[") + content.count(b"{") > MAX_ANSWER_DEPTH and not within_depth(
+            reply, MAX_ANSWER_DEPTH
+        ):
+            raise UpstreamBadReply(server, "the answer nests too deeply", role=role)
         request_id = headers.get(_REQUEST_ID)
         if request_id is not None and (other := foreign_answer_id(path, request_id, reply)) is not None:
             # Another request's answer (a server or a proxy before it mixed up its connections): its
@@ -551,3 +560,19 @@ def _error_detail(content: bytes) -> str:
     except (msgspec.DecodeError, RecursionError, KeyError, TypeError):
         return ""
     return str(message)[:_MAX_DETAIL]
+
+
+def within_depth(value: Any, limit: int) -> bool:
+    """Whether a decoded JSON value nests at most ``limit`` containers deep (level by level, not by
+    recursion: it may not)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        deeper: list[Any] = []
+        for node in level:
+            for child in node.values() if isinstance(node, dict) else node:
+                if isinstance(child, (dict, list)):
+                    deeper.append(child)
+        if not deeper:
+            return True
+        level = deeper
+    return not level

@@ -16,7 +16,6 @@ from typing import Any
 import anyio
 
 from .errors import NoHealthyUpstream, UpstreamBadReply
-from .handles import MAX_ENTRY_DEPTH, within_depth
 from .pool import Attempt, ServerPool
 from .protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
 from .surfaces import Surface, outgoing_body
@@ -74,6 +73,4 @@ def _kv_transfer_params(server: str, reply: dict[str, Any]) -> dict[str, Any] | 
     params = reply.get(KV_TRANSFER_PARAMS)
     if params is not None and not isinstance(params, dict):
         raise UpstreamBadReply(server, "kv_transfer_params is not an object", role="prefill")
-    if params is not None and not within_depth(params, MAX_ENTRY_DEPTH):
-        raise UpstreamBadReply(server, "kv_transfer_params nests too deeply", role="prefill")
     return params

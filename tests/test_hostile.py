@@ -408,3 +408,18 @@ async def test_client_ec_transfer_params_of_any_object_shape_are_kept(params: An
     merged = json.loads(seen)["ec_transfer_params"]
     for key, value in (params or {}).items():
         assert merged[key] == value
+
+
+@SETTINGS
+@given(body=chat_bodies(), encoding=st.sampled_from(["utf-8-sig", "utf-16", "utf-16-be", "utf-32-le"]))
+async def test_every_encoding_vllm_reads_is_treated_as_utf_8(body: Any, encoding: str) -> None:
+    """vLLM reads a body with json.loads, which takes a BOM, UTF-16 and UTF-32: the middleware must see
+    in such a body exactly what it sees in the same JSON as UTF-8 (issue 20: it used to pass them on
+    unread, media and all)."""
+    text = json.dumps(body)
+    plain = await drive(text.encode())
+    other = await drive(text.encode(encoding))
+    assert other[0] == plain[0]
+    assert len(other[1]) == len(plain[1])
+    if plain[2] and plain[2][0] != text.encode():
+        assert json.loads(other[2][0]) == json.loads(plain[2][0])

@@ -218,7 +218,7 @@ def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest | Non
 
     A body whose shape is off where ``find`` looks (it raises :class:`Unusable`) goes to vLLM as sent
     only when nothing in it is the middleware's to handle; otherwise :class:`UnreadableRequest`: vLLM
-    might read media, an embedding reference or transfer parameters there that the middleware did not.
+    might read media or an embedding reference there that the middleware did not.
     """
     decoded = decode_object(body)
     if decoded is None:
@@ -249,16 +249,13 @@ _CONTROLLED_KEYS = frozenset(
     {*p.MEDIA_PARTS, *(holder for _, holder, _ in p.MEDIA_PARTS.values()), *p.PART_KEY_ORDER}
 )
 _CONTROLLED_TYPES = frozenset({*_CONTROLLED_KEYS, "image", "input_image"})
-_TRANSFER_FIELDS = (p.EC_TRANSFER_PARAMS, p.KV_TRANSFER_PARAMS)
 
 
 def controlled_content(fields: Mapping[str, Any]) -> str | None:
-    """What of the middleware's business a body holds (media or an embedding reference anywhere, transfer
-    parameters), named for the client; None when it holds none. A walk of the whole value, for bodies
-    the surface could not read: it is not fooled by escapes or by where the content sits."""
-    for name in _TRANSFER_FIELDS:
-        if fields.get(name) is not None:
-            return name
+    """What of the middleware's business a body holds (media or an embedding reference anywhere), named
+    for the client; None when it holds none. A walk of the whole value, for bodies the surface could not
+    read: it is not fooled by escapes or by where the content sits. (Transfer parameters such a body
+    sets are the pipeline's to refuse, as in any body it passes on.)"""
     stack: list[Any] = [fields]
     while stack:
         node = stack.pop()

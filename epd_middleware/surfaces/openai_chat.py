@@ -119,11 +119,12 @@ def find_parts(
         if not isinstance(part, dict):
             continue  # plain-string parts are text; vLLM judges anything else
         location = (*prefix, part_index)
-        reference = reference_of(part, location)
+        kind = _part_kind(part)
+        reference = reference_of(part, location, kind)
         if reference is not None:
             references.append(reference)
             continue
-        found = media_of(part)
+        found = media_of(part, kind)
         if found is None:
             continue
         modality, media_content = found
@@ -133,16 +134,16 @@ def find_parts(
         client_uuid = text_of(part.get(p.UUID))
         if client_uuid is not None and not isinstance(client_uuid, str):
             raise Unusable
-        media.append(MediaPart(location, modality, _only_its_media(part), media_content, client_uuid))
+        media.append(MediaPart(location, modality, _only_its_media(part, kind), media_content, client_uuid))
 
 
-def _only_its_media(part: dict[str, Any]) -> dict[str, Any]:
+def _only_its_media(part: dict[str, Any], kind: str | None) -> dict[str, Any]:
     """The part without media keys of other kinds. Once the middleware pins a uuid on it, vLLM types it by
     the first media key it holds rather than by its ``type``: a stray ``video_embeds`` or ``image_url``
     beside a ``video_url`` would turn it into a reference to nothing, or an encoder's fetch of a URL no
     check saw. Without a uuid vLLM ignores those keys, so leaving them out changes nothing it reads."""
-    holder = p.MEDIA_PARTS[_part_kind(part) or ""][1]
-    if not any(key in part for key in p.PART_KEY_ORDER if key != holder):
+    holder = p.MEDIA_PARTS[kind or ""][1]
+    if not any(key in _MEDIA_KEYS and key != holder for key in part):
         return part
     return {key: value for key, value in part.items() if key == holder or key not in _MEDIA_KEYS}
 
@@ -163,11 +164,11 @@ def _part_kind(part: Mapping[str, Any]) -> str | None:
     return part_type
 
 
-def reference_of(part: Mapping[str, Any], location: tuple[int, ...]) -> Reference | None:
+def reference_of(part: Mapping[str, Any], location: tuple[int, ...], kind: str | None) -> Reference | None:
     """The part as a metadata-only reference, when it is one: an embeds part that carries no embedding
     of its own (no payload, or a payload of metadata arrays without the ``<modality>_embeds`` tensor).
-    A part that carries its tensor (base64) needs no embedding from elsewhere."""
-    kind = _part_kind(part)
+    A part that carries its tensor (base64) needs no embedding from elsewhere. ``kind``: the part's
+    kind as vLLM gives it (``_part_kind``)."""
     modality = p.EMBEDS_PARTS.get(kind or "")
     if modality is None:
         return None
@@ -183,9 +184,9 @@ def reference_of(part: Mapping[str, Any], location: tuple[int, ...]) -> Referenc
     return Reference(location, kind, modality, uuid)
 
 
-def media_of(part: Mapping[str, Any]) -> tuple[str, tuple[str | Raw, ...] | None] | None:
-    """(modality, media content) for a raw media part, content None for a uuid-only reference."""
-    kind = _part_kind(part)
+def media_of(part: Mapping[str, Any], kind: str | None) -> tuple[str, tuple[str | Raw, ...] | None] | None:
+    """(modality, media content) for a raw media part of ``kind``, content None for a uuid-only
+    reference."""
     if kind not in p.MEDIA_PARTS:
         return None
     modality, holder_key, inner_key = p.MEDIA_PARTS[kind]
