@@ -115,8 +115,8 @@ class UnresolvableReference(EPDError):
 
 class UnreadableRequest(EPDError):
     """A body whose shape the middleware cannot read where it must look, holding what it must handle
-    (media, an embedding reference, transfer parameters): passing it on unread would let the engine act
-    on what the middleware never checked."""
+    (media, an embedding reference): passing it on unread would let the engine act on what the
+    middleware never checked."""
 
     status = 400
 

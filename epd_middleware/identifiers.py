@@ -175,18 +175,17 @@ class IdentifierRule:
         ``fields``; None where it cannot be derived here."""
         if self.unknown_because is not None:
             return None
+        if modality == "video" and (self.video_lists or _video_lists(fields.get("mm_processor_kwargs"))):
+            return None
         if (
-            not self.server_media_io
+            modality in _SCOPED_KWARGS
+            and not self.server_media_io
             and not fields.get("mm_processor_kwargs")
             and not fields.get("media_io_kwargs")
-            and modality in _SCOPED_KWARGS
-            and not (modality == "video" and self.video_lists)
         ):
             return uuid  # no hash factors at all: the common case, decided without building them
         factors = self._factors(modality, fields)
         if factors is None:
-            return None
-        if modality == "video" and (self.video_lists or _video_lists(fields.get("mm_processor_kwargs"))):
             return None
         if not factors:
             return uuid

@@ -36,6 +36,7 @@ from .protocol import (
     MODEL,
     REQUEST_ID_HEADER,
     MooncakeConsumers,
+    cli_api_keys,
     example_connector_storage,
     mooncake_consumers,
     unguarded_routes,
@@ -362,11 +363,7 @@ class _ServerFacts:
         """SHA-256 digests of every key accepted: the configured ones and vLLM's ``--api-key`` (a list
         from vLLM's command line; a plain string from older versions and custom launchers)."""
         if self._keys is None:
-            args = _vllm_args(scope)
-            cli_keys = getattr(args, "api_key", None) or []
-            if isinstance(cli_keys, str):
-                cli_keys = [cli_keys]
-            keys = [*self._config.api_keys, *(key for key in cli_keys if isinstance(key, str) and key)]
+            keys = [*self._config.api_keys, *cli_api_keys(_vllm_args(scope))]
             self._keys = tuple(hashlib.sha256(key.encode()).digest() for key in dict.fromkeys(keys) if key)
         return self._keys
 

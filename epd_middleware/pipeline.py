@@ -145,8 +145,12 @@ class Pipeline:
         with_prefill = bool(self.config.prefill or route.prefill)
         # Where the middleware runs remote prefill, where a decoder takes its KV cache from is its call.
         owns_kv = bool(self.config.prefill) or self.scheduler is not None
-        named_kv = owns_kv and b"kv_transfer_params" in body
-        if not (with_prefill or named_kv) and _scannable(body) and not surface.may_hold_media(body):
+        if (
+            not with_prefill
+            and not (owns_kv and b"kv_transfer_params" in body)
+            and _scannable(body)
+            and not surface.may_hold_media(body)
+        ):
             return None
         started = time.perf_counter()
         request = surface.parse(body)

@@ -72,8 +72,6 @@ FORWARDED_OPTIONS: Final[tuple[str, ...]] = (
 # Encoders are always driven through chat completions, whatever surface the client used.
 CHAT_COMPLETIONS_PATH: Final = "/v1/chat/completions"
 CHAT_BATCH_PATH: Final = "/v1/chat/completions/batch"
-# SageMaker's endpoint, on by default in vLLM: it serves a body that validates as a chat request as one.
-SAGEMAKER_PATH: Final = "/invocations"
 MESSAGES_PATH: Final = "/v1/messages"
 RESPONSES_PATH: Final = "/v1/responses"
 
@@ -217,6 +215,15 @@ def mooncake_consumers(vllm_config: object) -> MooncakeConsumers | None:
         host = f"[{host}]"  # an IPv6 literal, as vLLM's make_zmq_path writes it
     by_rank = {rank: f"tcp://{host}:{port + rank * tp}" for rank in range(first, first + count)}
     return MooncakeConsumers(by_rank, pin=dp > 1 and count > 1)
+
+
+def cli_api_keys(args: object) -> list[str]:
+    """The keys given on vLLM's command line (``--api-key``, ``nargs="+"``: a list; a plain string from
+    older versions and custom launchers is one key)."""
+    keys = getattr(args, "api_key", None) or []
+    if isinstance(keys, str):
+        keys = [keys]
+    return [key for key in keys if isinstance(key, str) and key]
 
 
 def unguarded_routes(args: object) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 from .config import EPDConfig
 from .logs import adopt_vllm_logging, logger
 from .middleware import EPDMiddleware
-from .protocol import unguarded_routes
+from .protocol import cli_api_keys, unguarded_routes
 
 __all__ = ["EPDPlugin", "check_keys", "check_server", "plugin", "vllm_api_keys"]
 
@@ -104,11 +104,9 @@ def check_server(vllm_config: Any, config: EPDConfig | None = None) -> None:
 
 def vllm_api_keys(args: Any) -> list[str]:
     """The keys vLLM's own check accepts (``AuthenticationMiddleware``): ``--api-key``, else
-    ``VLLM_API_KEY``; a plain string is one key."""
-    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY") or ""]
-    if isinstance(keys, str):
-        keys = [keys]
-    return [key for key in keys if isinstance(key, str) and key]
+    ``VLLM_API_KEY``."""
+    keys = cli_api_keys(args)
+    return keys or [key for key in (os.environ.get("VLLM_API_KEY"),) if key]
 
 
 def check_keys(config: EPDConfig, args: Any) -> None:
