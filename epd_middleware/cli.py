@@ -28,7 +28,7 @@ from .compat import Expectation, check_models
 from .config import EPDConfig
 from .discovery import Discovery
 from .metrics import Stats
-from .pool import ServerPool
+from .pool import PoolPolicy, ServerPool
 from .transport import Transport
 
 __all__ = ["ServerReport", "check_fleet", "main"]
@@ -68,7 +68,7 @@ async def check_fleet(
     problems: list[str] = []
     servers: list[tuple[str, str]] = []
     for role, urls in (("encoder", config.encoders), ("prefill", config.prefill)):
-        pool = ServerPool(role, config, timeout, Stats())
+        pool = ServerPool(role, PoolPolicy(timeout), Stats())
         discovery = Discovery(
             pool, urls, config.dns_refresh_interval, config.dns_timeout, config.dns_nameservers
         )

@@ -17,17 +17,23 @@ the first request whose ``model`` the local engine answered with 200.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 
+from .logs import logger
 from .transport import HTTPError, Transport, UnsendableRequest
+from .upstream import DeadlinePassed
 
-__all__ = ["Expectation", "ModelCheck", "check_models", "expectation_of_vllm"]
+if TYPE_CHECKING:
+    from .pool import ServerPool
+
+__all__ = ["Expectation", "ModelCheck", "ModelGate", "check_models", "expectation_of_vllm"]
 
 _decode = msgspec.json.Decoder().decode
 MODELS_PATH = "/v1/models"
@@ -100,3 +106,124 @@ async def check_models(
         return ModelCheck("ok", served or "no model", seconds)
     matches = bool(expectation.names & set(ids)) and (expectation.root is None or expectation.root in roots)
     return ModelCheck("ok" if matches else "mismatch", served or "no model", seconds)
+
+
+# Verdicts (a server's health record, ``model``) that keep a server from being chosen; one that did not
+# answer is asked again by its next call (a fleet starts in any order: a PD server is often up before its
+# encoders).
+UNUSABLE = frozenset({"mismatch"})
+# Verdicts that make a call ask the server first.
+_ASK = frozenset({"unchecked", "unreachable"})
+
+
+@dataclass
+class _Check:
+    """A model check in progress: done when it ended, ``finished`` when it reached a verdict."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    finished: bool = False
+
+
+class ModelGate:
+    """Which servers of one pool serve this server's model: what they must serve, and one check at a time
+    per server. The verdicts live on the pool's health records (``model``, ``served``), where choosing a
+    server reads them; a server that does not answer counts a failure there, as a failed call would."""
+
+    def __init__(self, pool: ServerPool, timeout: float) -> None:
+        self._pool = pool
+        self._timeout = timeout
+        # What a usable server must serve; None: not known, every server is taken as it is.
+        self.expectation: Expectation | None = None
+        # Headers of the checks a call makes first (the encoder key, when one is set).
+        self.headers: Mapping[str, str] = {}
+        self._checking: dict[str, _Check] = {}
+
+    def expect(self, expectation: Expectation) -> None:
+        """From now on a server is used only once it was seen to serve ``expectation``."""
+        if expectation != self.expectation:
+            self.expectation = expectation
+            for health in self._pool.records():
+                health.model = "unchecked"
+
+    async def admits(self, transport: Transport, server: str, deadline: float | None) -> bool:
+        """Whether ``server`` may take a call: asked first if it never was (one check at a time per
+        server; concurrent calls wait for it). The check counts against the caller's ``deadline``
+        (:class:`~epd_middleware.upstream.DeadlinePassed`); a check cut short by another caller's
+        deadline gives no verdict, so a waiter asks itself."""
+        if self.expectation is None:
+            return True
+        pool = self._pool
+        if pool.record(server).model not in _ASK:
+            return pool.record(server).model == "ok"
+        with anyio.CancelScope(deadline=math.inf if deadline is None else deadline) as scope:
+            while pool.record(server).model in _ASK:
+                running = self._checking.get(server)
+                if running is not None:
+                    await running.done.wait()
+                    if running.finished:
+                        break
+                    continue
+                self._checking[server] = check = _Check()
+                try:
+                    await self.check(transport, [server], self.headers)
+                    check.finished = True
+                finally:
+                    del self._checking[server]
+                    check.done.set()
+                break
+        if scope.cancelled_caught:
+            raise DeadlinePassed
+        # The record may have gone meanwhile (a stranger forgotten to make room): no verdict, not used.
+        health = pool.known(server)
+        return health is not None and health.model == "ok"
+
+    async def check(
+        self, transport: Transport, urls: Sequence[str], headers: Mapping[str, str], *, recheck: bool = False
+    ) -> None:
+        """Ask ``urls`` (``recheck``: and every member not known to match) what they serve, concurrently,
+        within the health-check timeout each; a change of verdict is logged once and exported."""
+        pool, expectation = self._pool, self.expectation
+        if recheck:
+            urls = [*urls, *(url for url in pool.members if pool.record(url).model != "ok")]
+
+        async def one(url: str) -> None:
+            result = await check_models(transport, url, expectation, headers, self._timeout)
+            health = pool.record(url)
+            changed = (health.model, health.served) != (result.state, result.served)
+            health.model, health.served = result.state, result.served
+            if result.state == "unreachable":
+                # As a failed call: a server that keeps not answering is ejected, and not asked again
+                # by every request while it is.
+                pool.record_failure(url, anyio.current_time(), result.served)
+            if pool.is_member(url):
+                pool.stats.model_check(pool.role, url, result.state == "ok")
+            if changed:
+                _log_verdict(pool.role, url, result, expectation)
+
+        async with anyio.create_task_group() as group:
+            for url in dict.fromkeys(urls):
+                group.start_soon(one, url)
+
+    def mismatched(self) -> list[tuple[str, str]]:
+        """Members that answered with another model, and what they serve."""
+        pool = self._pool
+        return [
+            (url, pool.record(url).served) for url in pool.members if pool.record(url).model == "mismatch"
+        ]
+
+
+def _log_verdict(role: str, url: str, result: ModelCheck, expectation: Expectation | None) -> None:
+    wanted = expectation.describe() if expectation else "?"
+    if result.state == "ok":
+        logger.info("%s %s serves %s", role, url, result.served)
+    elif result.state == "mismatch":
+        logger.warning(
+            "%s %s is not used: it serves %s (this server serves %s)", role, url, result.served, wanted
+        )
+    else:
+        logger.warning(
+            "%s %s did not say what it serves (%s); it is asked again before its next call",
+            role,
+            url,
+            result.served,
+        )

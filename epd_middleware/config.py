@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from .addresses import parse_allowlist, parse_nameserver
+
 __all__ = ["ENV_PREFIX", "EPDConfig", "EPDOptions"]
 
 ENV_PREFIX = "EPD_"
@@ -380,16 +382,12 @@ class EPDConfig(BaseModel):
     @field_validator("scheduler_allow")
     @classmethod
     def _check_allow(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
-        from .scheduler import parse_allowlist  # the syntax lives with its matching
-
         parse_allowlist(entries)
         return entries
 
     @field_validator("dns_nameservers")
     @classmethod
     def _check_nameservers(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
-        from .discovery import parse_nameserver
-
         for entry in entries:
             parse_nameserver(entry)
         return entries

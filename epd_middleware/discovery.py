@@ -12,7 +12,6 @@ once per process).
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +26,12 @@ import dns.nameserver
 import dns.resolver
 import sniffio
 
-from .llmd import split_host_port
+from .addresses import parse_nameserver
 from .logs import logger
 from .metrics import Stats
 from .pool import ServerPool
 
-__all__ = ["Discovery", "DnsName", "parse_nameserver"]
+__all__ = ["Discovery", "DnsName"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +53,6 @@ class DnsName:
     def member(self, address: str) -> str:
         host = f"[{address}]" if ":" in address else address
         return f"{self.scheme}://{host}:{self.port}"
-
-
-def parse_nameserver(entry: str) -> tuple[str, int]:
-    """``host:port`` / ``[v6]:port`` of a DNS server (an IP address); ValueError otherwise."""
-    parsed = split_host_port(entry.strip())
-    if parsed is None:
-        raise ValueError(f"DNS server {entry!r} is not ip:port or [v6]:port")
-    try:
-        ipaddress.ip_address(parsed[0])
-    except ValueError:
-        raise ValueError(f"DNS server {entry!r} must be an IP address") from None
-    return parsed
 
 
 @dataclass

@@ -18,9 +18,10 @@ import anyio
 from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
 from .handles import Handle, ItemKey, match_reply
 from .plan import EncoderCall
-from .pool import Attempt, DeadlinePassed, ServerPool
+from .pool import ServerPool
 from .protocol import CHAT_COMPLETIONS_PATH, EC_TRANSFER_PARAMS, embedding_stored, example_connector_file
 from .transport import Body, Transport
+from .upstream import Attempt, DeadlinePassed
 
 __all__ = ["EncodeOutcome", "EncoderRequest", "encode"]
 

@@ -203,11 +203,11 @@ class EPDMiddleware:
             await discovery.ready()
         client, headers = self._clients.open(), pipeline.probe_headers()
         for pool in (pipeline.encoders, pipeline.prefill):
-            await pool.check_models(client, pool.members, headers)
+            await pool.models.check(client, pool.members, headers)
         mismatched = [
             f"{pool.role} {url} serves {served}"
             for pool in (pipeline.encoders, pipeline.prefill)
-            for url, served in pool.mismatched()
+            for url, served in pool.models.mismatched()
         ]
         if config.strict_startup and mismatched:
             return (

@@ -42,7 +42,7 @@ from .logs import logger
 from .media_policy import MediaPolicy
 from .metrics import Stats
 from .plan import EncoderCall, MediaItem, media_items, plan_calls
-from .pool import ServerPool
+from .pool import PoolPolicy, ServerPool
 from .prefill import decode_fields, prefill
 from .protocol import (
     EC_CONSUMER_ZMQ,
@@ -102,10 +102,10 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         config = self.config
-        self.encoders = ServerPool("encoder", config, config.encoder_timeout, self.stats)
-        self.prefill = ServerPool("prefill", config, config.prefill_timeout, self.stats)
+        self.encoders = ServerPool("encoder", pool_policy(config, config.encoder_timeout), self.stats)
+        self.prefill = ServerPool("prefill", pool_policy(config, config.prefill_timeout), self.stats)
         self.reuse = HandleCache(config.reuse_cache_size)
-        self.encoders.check_headers = self.prefill.check_headers = self.probe_headers()
+        self.encoders.models.headers = self.prefill.models.headers = self.probe_headers()
         self.discoveries = (
             self._discovery(self.encoders, config.encoders),
             self._discovery(self.prefill, config.prefill),
@@ -249,12 +249,12 @@ class Pipeline:
 
     def expect(self, expectation: Expectation) -> None:
         """Encoders and prefill servers are used only once seen serving ``expectation``."""
-        self.encoders.expect(expectation)
-        self.prefill.expect(expectation)
+        self.encoders.models.expect(expectation)
+        self.prefill.models.expect(expectation)
 
     @property
     def expectation(self) -> Expectation | None:
-        return self.encoders.expectation
+        return self.encoders.models.expectation
 
     def probe_headers(self) -> dict[str, str]:
         """Headers of the middleware's own GETs to the servers (health, models)."""
@@ -492,6 +492,20 @@ class Pipeline:
         if logger.isEnabledFor(logging.INFO):
             notes.append(f"prefill {elapsed * 1000:.1f} ms")
         return decode_fields(fields, kv_params)
+
+
+def pool_policy(config: EPDConfig, timeout: float) -> PoolPolicy:
+    """What a pool reads of the configuration (``timeout``: one call's, which differs by role)."""
+    return PoolPolicy(
+        timeout=timeout,
+        max_attempts=config.max_attempts,
+        max_inflight=config.max_inflight_per_encoder,
+        eject_after=config.eject_after,
+        eject_cooldown=config.eject_cooldown,
+        max_eject_cooldown=config.max_eject_cooldown,
+        health_check_interval=config.health_check_interval,
+        health_check_timeout=config.health_check_timeout,
+    )
 
 
 def _scannable(body: bytes) -> bool:

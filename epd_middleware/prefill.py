@@ -16,10 +16,11 @@ from typing import Any
 import anyio
 
 from .errors import NoHealthyUpstream, UpstreamBadReply
-from .pool import Attempt, ServerPool
+from .pool import ServerPool
 from .protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
 from .surfaces import Surface, outgoing_body
 from .transport import Transport
+from .upstream import Attempt
 
 __all__ = ["decode_fields", "prefill", "prefill_fields"]
 

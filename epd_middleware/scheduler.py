@@ -9,74 +9,17 @@ prefill target is refused with 403, since the request said where its KV cache mu
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .addresses import parse_allowlist, split_host_port
 from .errors import ForbiddenTarget
-from .llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values, port_number, split_host_port
+from .llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values
 from .logs import logger
 from .metrics import Stats
 
-__all__ = ["Allowlist", "Route", "Scheduler", "parse_allowlist"]
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-@dataclass(frozen=True, slots=True)
-class Allowlist:
-    """Networks (any port, or one port) and exact (host, port) entries."""
-
-    networks: tuple[tuple[Network, int | None], ...] = ()
-    exact: frozenset[tuple[str, int]] = frozenset()
-
-    def admits(self, host: str, port: int) -> bool:
-        if (host, port) in self.exact:
-            return True
-        if not self.networks:
-            return False
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return False  # a network admits addresses, never names
-        return any(address in network and allowed in (None, port) for network, allowed in self.networks)
-
-
-def parse_allowlist(entries: Sequence[str]) -> Allowlist:
-    """``10.0.0.0/8``, ``10.0.0.0/8:8001``, ``[fd00::/8]:8001``, ``fd00::/8``, ``10.1.2.3:8001``,
-    ``[fd00::1]:8001``, ``enc-0.pool:8001``. ValueError names an entry that is none of these."""
-    networks: list[tuple[Network, int | None]] = []
-    exact: set[tuple[str, int]] = set()
-    for entry in (item.strip() for item in entries):
-        if "/" in entry:
-            text, port = entry, None
-            if entry.startswith("[") and "]:" in entry:
-                text, _, port_text = entry[1:].partition("]:")
-                port = _port(port_text, entry)
-            elif entry.count(":") == 1:  # IPv4 network with a port; an IPv6 one has several colons
-                text, _, port_text = entry.partition(":")
-                port = _port(port_text, entry)
-            try:
-                networks.append((ipaddress.ip_network(text, strict=False), port))
-            except ValueError:
-                raise ValueError(f"scheduler_allow entry {entry!r} is not a network") from None
-            continue
-        target = split_host_port(entry)
-        if target is None:
-            raise ValueError(
-                f"scheduler_allow entry {entry!r} is neither a network (10.0.0.0/8, 10.0.0.0/8:8001) "
-                "nor ip:port / [v6]:port / host:port"
-            )
-        exact.add(target)
-    return Allowlist(tuple(networks), frozenset(exact))
-
-
-def _port(text: str, entry: str) -> int:
-    port = port_number(text)
-    if port is None:
-        raise ValueError(f"scheduler_allow entry {entry!r} has no valid port")
-    return port
+__all__ = ["NO_ROUTE", "Route", "Scheduler"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,15 +12,46 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from epd_middleware import EPDConfig
-from epd_middleware.llmd import EPP_PLUGIN_TYPES, ROLE_LABEL, ROLES
 from epd_middleware.metrics import _Prometheus
+
+# What llm-d reads of the manifests: the tests' knowledge (the package never reads a manifest).
+# Pod label that tells the endpoint picker's filters (encode-filter, prefill-filter, decode-filter)
+# which role a pod of the InferencePool plays (``pkg/epp/framework/plugins/scheduling/filter/bylabel/
+# roles.go``: encode-filter takes encode; prefill-filter prefill and prefill-decode; decode-filter decode
+# and prefill-decode).
+ROLE_LABEL: Final = "llm-d.ai/role"
+ROLES: Final = ("encode", "prefill", "decode", "prefill-decode")
+
+# Endpoint-picker plugin types llm-d registers (``cmd/epp/runner/runner.go`` and the plugins' READMEs)
+# that an E/PD or E/P/D configuration uses: the manifests in deploy/kubernetes name no others.
+EPP_PLUGIN_TYPES: Final = frozenset(
+    {
+        "encode-filter",
+        "prefill-filter",
+        "decode-filter",
+        "always-disagg-multimodal-decider",
+        "always-disagg-pd-decider",
+        "prefix-based-pd-decider",
+        "disagg-profile-handler",
+        "single-profile-handler",
+        "queue-scorer",
+        "kv-cache-utilization-scorer",
+        "prefix-cache-scorer",
+        "approx-prefix-cache-producer",
+        "mm-embeddings-cache-producer",
+        "mm-embeddings-cache-scorer",
+        "max-score-picker",
+        "random-picker",
+        "weighted-random-picker",
+    }
+)
 
 DEPLOY = Path(__file__).parent.parent / "deploy" / "kubernetes"
 OVERLAYS = ["base", "overlays/llm-d-e-pd", "overlays/llm-d-e-p-d"]

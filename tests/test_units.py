@@ -265,10 +265,10 @@ def test_plan_sends_audio_and_video_alone() -> None:
 
 
 def test_pool_cursor_spreads_single_item_requests_evenly() -> None:
-    from epd_middleware.pool import ServerPool
+    from epd_middleware.pool import PoolPolicy, ServerPool
 
     config = EPDConfig(encoders=(E0, E1, E2))
-    pool = ServerPool("encoder", config, config.encoder_timeout)
+    pool = ServerPool("encoder", PoolPolicy(config.encoder_timeout))
     pool.set_members(config.encoders)
     counts = {E0: 0, E1: 0, E2: 0}
     for _ in range(30):

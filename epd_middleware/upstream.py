@@ -1,0 +1,211 @@
+"""One call to one server, as the pool's failover makes it: the capacity it waits for, one bound for its
+own timeout and the caller's deadline, what the answer's status means, the answer decoded, and the
+answer bound to its request. No choice of server and no health here: :mod:`.pool` does those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import anyio
+import msgspec
+
+from .errors import (
+    RETRYABLE_STATUSES,
+    RequestNotSendable,
+    UpstreamBadReply,
+    UpstreamRejected,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from .logs import logger
+from .metrics import Stats
+from .protocol import REQUEST_ID_HEADER, foreign_answer_id
+from .transport import Body, HTTPError, Transport, UnsendableRequest
+
+__all__ = ["MAX_ANSWER_DEPTH", "Attempt", "Capacity", "DeadlinePassed", "post_once", "within_depth"]
+
+T = TypeVar("T")
+
+_decode_reply = msgspec.json.Decoder().decode
+_JSON = "application/json"
+_REQUEST_ID = REQUEST_ID_HEADER.decode()
+_MAX_DETAIL = 300
+# vLLM's answers are a few levels deep (choices, usage, handles with metadata); far deeper is broken.
+MAX_ANSWER_DEPTH = 64
+
+
+class DeadlinePassed(Exception):
+    """The caller's deadline (a request's ``encode_deadline``) passed during a call: no server is blamed
+    and no further server is tried."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt(Generic[T]):
+    """One try of a call: the body to POST, and how to read the server's JSON object answer.
+
+    Built afresh for every try, so a retry on another server never reuses what belonged to the failed
+    one (Mooncake transfer ids, say). ``read`` raises :class:`UpstreamBadReply` for an unusable answer,
+    which fails the try over to another server like any failure of the server's: that is why the reading
+    is handed to the pool rather than done by the caller after it.
+    """
+
+    body: Body
+    read: Callable[[str, dict[str, Any]], T]
+
+
+class Capacity:
+    """How many calls one server may have in flight from this process, and how many it has."""
+
+    __slots__ = ("_limit", "_limiter", "in_flight")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        # Made on first use: anyio primitives belong to the event loop that runs the app.
+        self._limiter: anyio.CapacityLimiter | None = None
+        self.in_flight = 0
+
+    @property
+    def idle(self) -> bool:
+        """No call in flight and none waiting for a slot."""
+        return self.in_flight == 0 and (self._limiter is None or not self._limiter.statistics().tasks_waiting)
+
+    async def acquire(self) -> None:
+        limiter = self._limiter
+        if limiter is None:
+            limiter = self._limiter = anyio.CapacityLimiter(self._limit)
+        try:
+            # Free capacity is taken without the checkpoint ``acquire`` makes (a trip round the event
+            # loop); a full server is waited for, in turn.
+            limiter.acquire_nowait()
+        except anyio.WouldBlock:
+            await limiter.acquire()
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        assert self._limiter is not None
+        self._limiter.release()
+
+
+async def post_once(
+    transport: Transport,
+    server: str,
+    path: str,
+    body: Body,
+    headers: Mapping[str, str],
+    *,
+    role: str,
+    label: str,
+    capacity: Capacity,
+    call_timeout: float,
+    deadline: float | None,
+    stats: Stats,
+) -> dict[str, Any]:
+    """POST ``body`` to ``server``: its JSON object answer, or the typed failure of this try
+    (:class:`~epd_middleware.errors.UpstreamError`; :class:`DeadlinePassed` when the caller's
+    ``deadline``, event-loop time, came first). ``label``: the server in metrics."""
+    # One bare cancel scope bounds the call by its own timeout and by the caller's deadline: a cancel
+    # scope is the costliest thing a call does on the event loop (a timer, task-state lookups), and
+    # ``fail_after`` inside ``move_on_after`` made two per request, each behind generator context
+    # managers.
+    limit = anyio.current_time() + call_timeout
+    by_deadline = deadline is not None and deadline < limit
+    bound = anyio.CancelScope(deadline=min(limit, deadline) if deadline is not None else limit)
+    try:
+        with bound:
+            await capacity.acquire()
+            stats.in_flight(role, label, 1)
+            try:
+                status, content = await transport.request(
+                    "POST", f"{server}{path}", body, {"content-type": _JSON, **headers}
+                )
+            finally:
+                capacity.release()
+                stats.in_flight(role, label, -1)
+        if bound.cancelled_caught:
+            if by_deadline:
+                raise DeadlinePassed
+            raise TimeoutError
+    except TimeoutError:
+        raise UpstreamTimeout(server, f"no answer within {call_timeout:g} s", role=role) from None
+    except DeadlinePassed:
+        raise
+    except HTTPError as exc:
+        raise UpstreamUnavailable(server, exc.reason, role=role) from None
+    except UnsendableRequest as exc:
+        raise RequestNotSendable(server, exc.reason, role=role) from None
+    except Exception as exc:
+        # A bug in a custom transport must cost this call, not the server: the client gets a clear
+        # error (or a failover), the log gets the traceback.
+        logger.exception("unexpected error calling %s %s", role, server)
+        raise UpstreamUnavailable(server, f"unexpected {type(exc).__name__}", role=role) from None
+    reply = answer_of(server, role, status, content)
+    request_id = headers.get(_REQUEST_ID)
+    if request_id is not None and (other := foreign_answer_id(path, request_id, reply)) is not None:
+        # Another request's answer (a server or a proxy before it mixed up its connections): its
+        # handles must never reach this request's engine, and no idle connection there is trusted.
+        await transport.drop_idle(server)
+        stats.foreign_answer(role, label)
+        logger.warning("%s %s answered request %s with the answer of %s", role, server, request_id, other)
+        raise UpstreamBadReply(server, f"the answer belongs to another request ({other})", role=role)
+    return reply
+
+
+def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, Any]:
+    """What a server's answer means: its JSON object for a 200, else the failure its status says
+    (retryable or a rejection of the request itself)."""
+    if status != 200:
+        detail = _error_detail(content)
+        if status >= 500 or status in RETRYABLE_STATUSES:
+            if status >= 500 and detail:
+                # Server errors may carry internals: the log gets them, the client does not.
+                logger.warning("%s %s answered HTTP %d: %s", role, server, status, detail)
+            raise UpstreamStatusError(server, status, "" if status >= 500 else detail, role=role)
+        if 400 <= status < 500:
+            raise UpstreamRejected(server, status, detail, role=role)
+        raise UpstreamStatusError(server, status, role=role)
+    try:
+        reply = _decode_reply(content)
+    except (msgspec.DecodeError, RecursionError):
+        # Nested past what this stack decodes counts as not JSON: a failed try of this server.
+        raise UpstreamBadReply(server, "the answer is not JSON", role=role) from None
+    if not isinstance(reply, dict):
+        raise UpstreamBadReply(server, "the answer is not a JSON object", role=role)
+    # Its handles go into the engine's body: an answer too deep to be written again must fail here, as
+    # this server's bad answer, not later as the request's. Counting brackets (C speed) spares the walk
+    # for every answer that cannot be that deep.
+    if content.count(b"[") + content.count(b"{") > MAX_ANSWER_DEPTH and not within_depth(
+        reply, MAX_ANSWER_DEPTH
+    ):
+        raise UpstreamBadReply(server, "the answer nests too deeply", role=role)
+    return reply
+
+
+def _error_detail(content: bytes) -> str:
+    """The server's own error message when it sent an OpenAI-style body, cut short."""
+    try:
+        reply: Any = _decode_reply(content)
+        message = reply["error"]["message"]
+    except (msgspec.DecodeError, RecursionError, KeyError, TypeError):
+        return ""
+    return str(message)[:_MAX_DETAIL]
+
+
+def within_depth(value: Any, limit: int) -> bool:
+    """Whether a decoded JSON value nests at most ``limit`` containers deep (level by level, not by
+    recursion: it may not)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        deeper: list[Any] = []
+        for node in level:
+            for child in node.values() if isinstance(node, dict) else node:
+                if isinstance(child, (dict, list)):
+                    deeper.append(child)
+        if not deeper:
+            return True
+        level = deeper
+    return not level
