@@ -28,6 +28,7 @@ from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
 from epd_middleware.handles import match_reply, part_metadata, transfer_params
 from epd_middleware.plan import media_items
+from epd_middleware.surfaces import encode_fields
 from epd_middleware.surfaces import openai_chat as chat
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "perf" / "api_server_cpu.json"
@@ -57,10 +58,8 @@ def rewritten(encoder: str, body: dict[str, Any]) -> dict[str, Any]:
     """What the middleware hands the engine for ``body``: encoded on ``encoder`` from here."""
     request = chat.parse(json.dumps(body).encode())
     assert request is not None
-    items, uuids = media_items(
-        request.media, trust_client_uuid=False, salt=None, encoder_part=chat.encoder_part
-    )
-    encoder_body = b"".join(chat.encoder_body(request, [item.part for item in items]))
+    items, uuids = media_items(request.media, trust_client_uuid=False, salt=None, pin_uuid=True)
+    encoder_body = b"".join(chat.SURFACE.encoder_body(request, [item.part for item in items]))
     reply = httpx.post(
         f"{encoder}/v1/chat/completions",
         content=encoder_body,
@@ -71,7 +70,7 @@ def rewritten(encoder: str, body: dict[str, Any]) -> dict[str, Any]:
     keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
     metadata = part_metadata(keys, handles, rewrite=True)
     result: dict[str, Any] = json.loads(
-        chat.rewritten_body(request, uuids, metadata, transfer_params(handles))
+        encode_fields(chat.engine_fields(request, uuids, metadata, transfer_params(handles)))
     )
     return result
 

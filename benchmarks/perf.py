@@ -48,6 +48,7 @@ from epd_middleware import EPDMiddleware
 from epd_middleware._http import HTTPClient
 from epd_middleware.handles import part_metadata, transfer_params
 from epd_middleware.plan import media_items
+from epd_middleware.surfaces import encode_fields
 from epd_middleware.surfaces import openai_chat as chat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,10 +112,8 @@ async def prepare_direct(case: Case, encoder: str, client: HTTPClient) -> None:
     if request is None or not request.media:
         case.engine_body = case.body  # no media: the floor is the bare engine
         return
-    items, uuids = media_items(
-        request.media, trust_client_uuid=False, salt=None, encoder_part=chat.encoder_part
-    )
-    case.encoder_body = b"".join(chat.encoder_body(request, [item.part for item in items]))
+    items, uuids = media_items(request.media, trust_client_uuid=False, salt=None, pin_uuid=True)
+    case.encoder_body = b"".join(chat.SURFACE.encoder_body(request, [item.part for item in items]))
     status, reply = await client.request("POST", f"{encoder}/v1/chat/completions", case.encoder_body)
     assert status == 200, reply
     from epd_middleware.handles import match_reply
@@ -122,7 +121,7 @@ async def prepare_direct(case: Case, encoder: str, client: HTTPClient) -> None:
     handles = match_reply(encoder, items, json.loads(reply)["ec_transfer_params"])
     keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
     metadata = part_metadata(keys, handles, rewrite=True)
-    case.engine_body = chat.rewritten_body(request, uuids, metadata, transfer_params(handles))
+    case.engine_body = encode_fields(chat.engine_fields(request, uuids, metadata, transfer_params(handles)))
 
 
 # --- processes -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from .upstream import DeadlinePassed
 if TYPE_CHECKING:
     from .pool import ServerPool
 
-__all__ = ["Expectation", "ModelCheck", "ModelGate", "check_models", "expectation_of_vllm"]
+__all__ = ["Expectation", "ModelCheck", "ModelGate", "check_models"]
 
 _decode = msgspec.json.Decoder().decode
 MODELS_PATH = "/v1/models"
@@ -59,21 +59,6 @@ class ModelCheck:
     state: str
     served: str
     seconds: float
-
-
-def expectation_of_vllm(vllm_config: object) -> Expectation | None:
-    """What a vLLM server serves, from its own configuration (``model_config.served_model_name``, which
-    vLLM sets to the model path when none is given, and ``model_config.model``)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is None:
-        return None
-    root = getattr(model_config, "model", None)
-    served = getattr(model_config, "served_model_name", None) or root
-    names = [served] if isinstance(served, str) else list(served or ())
-    names = [name for name in names if isinstance(name, str) and name]
-    if not names:
-        return None
-    return Expectation(frozenset(names), root if isinstance(root, str) and root else None)
 
 
 async def check_models(

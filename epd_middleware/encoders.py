@@ -1,4 +1,4 @@
-"""The encode stage: planned calls in, handles (or typed errors) out.
+"""The encoder calls of one request: planned calls in, handles (or typed errors) out.
 
 Every call goes to the encoder the plan chose and fails over within the encoder pool
 (:mod:`epd_middleware.pool`); all calls of a request run concurrently within its encode deadline. Each
@@ -9,8 +9,9 @@ request.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import uuid as uuid_module
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -19,11 +20,20 @@ from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
 from .handles import Handle, ItemKey, match_reply
 from .plan import EncoderCall
 from .pool import ServerPool
-from .protocol import CHAT_COMPLETIONS_PATH, EC_TRANSFER_PARAMS, embedding_stored, example_connector_file
+from .protocol import (
+    CHAT_COMPLETIONS_PATH,
+    EC_CONSUMER_ZMQ,
+    EC_ITEM_TRANSFER_ID,
+    EC_ITEMS,
+    EC_TRANSFER_PARAMS,
+    embedding_stored,
+    example_connector_file,
+)
+from .surfaces import ParsedRequest, Surface
 from .transport import Body, Transport
 from .upstream import Attempt, DeadlinePassed
 
-__all__ = ["EncodeOutcome", "EncoderRequest", "encode"]
+__all__ = ["EncodeJob", "EncodeOutcome", "EncoderRequest", "encode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +46,30 @@ class EncoderRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodeJob:
+    """One request's encoder calls and what they are held to."""
+
+    surface: Surface
+    request: ParsedRequest
+    calls: tuple[EncoderCall, ...]
+    # Per call, the headers it is sent with (its request id, the key).
+    headers: tuple[Mapping[str, str], ...]
+    # Seconds all calls may take together, retries included.
+    deadline: float
+    # Mooncake push: the ZMQ address the encoders push to (None: they store embeddings).
+    push_to: str | None = None
+    # Where the local connector keeps embeddings as files, to check each reported one is there.
+    storage: str | None = None
+    # The identifier the engine will give an item, where known: a reply reporting another hash for it
+    # is a bad reply (the encoder derives hashes otherwise: another model path, hasher or
+    # --media-io-kwargs).
+    expected: Mapping[ItemKey, str] = field(default_factory=dict)
+    # The first call that failed for good fails the request and cancels its siblings (the 'error'
+    # policy); otherwise failed calls are returned for the 'local' policy.
+    stop_at_first_failure: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class EncodeOutcome:
     """What the encoders gave for one request: handles, and the calls that failed for good."""
 
@@ -43,70 +77,55 @@ class EncodeOutcome:
     failed: tuple[tuple[EncoderCall, UpstreamError], ...] = ()
 
 
-async def encode(
-    pool: ServerPool,
-    client: Transport,
-    calls: Sequence[EncoderCall],
-    request_of: Callable[[EncoderCall], EncoderRequest],
-    headers: Sequence[Mapping[str, str]],
-    *,
-    deadline: float,
-    storage: str | None,
-    expected: Mapping[ItemKey, str] | None = None,
-    stop_at_first_failure: bool,
-) -> EncodeOutcome:
-    """Run every call concurrently, each with failover, all within ``deadline`` seconds.
+async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> EncodeOutcome:
+    """Run every call of ``job`` concurrently, each with failover, all within its deadline.
 
-    ``request_of`` builds a call's body afresh for every try. ``expected``: the identifier the engine
-    will give an item, where known; a reply that reports another hash for it is a bad reply (the encoder
-    derives hashes otherwise than this server: another model path, hasher or ``--media-io-kwargs``), and
-    so is one whose embedding is not in ``storage``. A call that an encoder rejected as a bad
-    request (400, 404, 413, 422 ...) is raised at once. With ``stop_at_first_failure`` the first call
-    that failed for good is raised and its siblings are cancelled; otherwise failed calls are returned
-    for the fallback policy to handle.
+    A reply whose hash is not the expected identifier, or whose embedding is not in the storage, is a
+    bad reply (the call fails over). A call that an encoder rejected as a bad request (400, 404, 413,
+    422 ...) is raised at once. With ``stop_at_first_failure`` the first call that failed for good is
+    raised and its siblings are cancelled; otherwise failed calls are returned.
     """
+    calls = job.calls
     results: list[dict[ItemKey, Handle]] = [{} for _ in calls]
     failures: dict[int, UpstreamError] = {}
     rejected: list[UpstreamError] = []
+    request_of = _requests(job)
 
     async def run(index: int, siblings: anyio.CancelScope | None) -> None:
         call = calls[index]
 
         def attempt() -> Attempt[dict[ItemKey, Handle]]:
             request = request_of(call)
-            return Attempt(
-                request.body,
-                lambda server, reply: _handles(server, call, request, reply, storage, expected or {}),
-            )
+            return Attempt(request.body, lambda server, reply: _handles(server, call, request, reply, job))
 
         try:
             results[index] = await pool.call(
-                client,
+                transport,
                 call.encoder,
                 CHAT_COMPLETIONS_PATH,
                 attempt,
-                headers[index],
+                job.headers[index],
                 call.preferred,
                 deadline=ends,
             )
             return
         except DeadlinePassed:
             failure: UpstreamError = UpstreamTimeout(
-                call.encoder, f"the request's encode deadline of {deadline:g} s passed"
+                call.encoder, f"the request's encode deadline of {job.deadline:g} s passed"
             )
         except UpstreamError as exc:
             failure = exc
         failures[index] = failure
         if not failure.retryable:
             rejected.append(failure)
-        if siblings is not None and (not failure.retryable or stop_at_first_failure):
+        if siblings is not None and (not failure.retryable or job.stop_at_first_failure):
             siblings.cancel()
 
     if not calls:  # everything reused, or no encoder (the local policy): nothing to wait for
         return EncodeOutcome({})
-    # Each call carries the deadline into its own cancel scope (pool.py) rather than one more scope
+    # Each call carries the deadline into its own cancel scope (upstream.py) rather than one more scope
     # around them all here.
-    ends = anyio.current_time() + deadline
+    ends = anyio.current_time() + job.deadline
     if len(calls) == 1:
         await run(0, None)  # the common case: no task to spawn
     else:
@@ -115,23 +134,40 @@ async def encode(
                 group.start_soon(run, index, group.cancel_scope)
     if rejected:
         raise rejected[0]
-    if failures and stop_at_first_failure:
+    if failures and job.stop_at_first_failure:
         raise failures[min(failures)]
     handles = {key: handle for result in results for key, handle in result.items()}
     return EncodeOutcome(handles, tuple((calls[index], failures[index]) for index in sorted(failures)))
 
 
+def _requests(job: EncodeJob) -> Callable[[EncoderCall], EncoderRequest]:
+    """How each call's body is made, per try."""
+    surface, request, push_to = job.surface, job.request, job.push_to
+    if push_to is None:
+        # Built once: every try of a call sends the same body.
+        built = {id(call): EncoderRequest(surface.encoder_body(request, _parts(call))) for call in job.calls}
+        return lambda call: built[id(call)]
+
+    def pushed(call: EncoderCall) -> EncoderRequest:
+        # A fresh transfer id per item and per try: a push the failed encoder may have begun must never
+        # be confused with the retry's.
+        ids = tuple(uuid_module.uuid4().hex for _ in call.items)
+        params = {EC_CONSUMER_ZMQ: push_to, EC_ITEMS: [{EC_ITEM_TRANSFER_ID: tid} for tid in ids]}
+        return EncoderRequest(surface.encoder_body(request, _parts(call), params), ids)
+
+    return pushed
+
+
+def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:
+    return [item.part for item in call.items]
+
+
 def _handles(
-    server: str,
-    call: EncoderCall,
-    request: EncoderRequest,
-    reply: dict[str, Any],
-    storage: str | None,
-    expected: Mapping[ItemKey, str],
+    server: str, call: EncoderCall, request: EncoderRequest, reply: dict[str, Any], job: EncodeJob
 ) -> dict[ItemKey, Handle]:
     handles = match_reply(server, call.items, reply.get(EC_TRANSFER_PARAMS))
     for key, handle in handles.items():
-        identifier = expected.get(key)
+        identifier = job.expected.get(key)
         if identifier is not None and handle.mm_hash != identifier:
             raise UpstreamBadReply(
                 server,
@@ -139,8 +175,8 @@ def _handles(
                 f"{identifier[:80]!r} (the encoder derives hashes otherwise: another model path, "
                 "--mm-hasher-algorithm or --media-io-kwargs)",
             )
-    if storage is not None:
-        _check_stored(server, handles, storage)
+    if job.storage is not None:
+        _check_stored(server, handles, job.storage)
     if request.transfer_ids is not None:
         # The encoder pushes each item under the transfer id it was sent; the local engine claims the
         # push by that id, so the id travels with the item's handle.

@@ -37,7 +37,7 @@ from blake3 import blake3
 
 from ._rawjson import Raw, text_of
 
-__all__ = ["IdentifierRule", "hash_kwargs"]
+__all__ = ["IdentifierRule", "hash_kwargs", "video_lists"]
 
 _HASHERS: dict[str, Callable[[], Any]] = {
     "blake3": blake3,
@@ -145,37 +145,12 @@ class IdentifierRule:
         inside vLLM); where not, only identifiers without hash factors are."""
         return self.model is not None and self.unknown_because is None
 
-    @classmethod
-    def of_vllm(cls, vllm_config: object) -> IdentifierRule:
-        """The rule of a vLLM server, from its configuration."""
-        model_config = getattr(vllm_config, "model_config", None)
-        model = getattr(model_config, "model", None)
-        multimodal = getattr(model_config, "multimodal_config", None)
-        algorithm = getattr(multimodal, "mm_hasher_algorithm", None) or "blake3"
-        media_io = getattr(multimodal, "media_io_kwargs", None) or {}
-        processor = getattr(multimodal, "mm_processor_kwargs", None) or {}
-        lora = getattr(vllm_config, "lora_config", None)
-        # With LoRA on the tower, an adapter's items are identified as "<adapter>:<hash>"
-        # (v1/engine/input_processor.py): which adapter a request runs under is the engine's to say.
-        unknown = (
-            "LoRA adapters on the vision tower"
-            if getattr(lora, "enable_tower_connector_lora", False)
-            else None
-        )
-        return cls(
-            model if isinstance(model, str) and model else None,
-            str(algorithm),
-            {str(key): dict(value) for key, value in media_io.items() if isinstance(value, dict)},
-            unknown,
-            _video_lists(processor),
-        )
-
     def identifier(self, modality: str, uuid: str, fields: Mapping[str, Any]) -> str | None:
         """The identifier the engine gives an item of ``modality`` sent with ``uuid`` in a request of
         ``fields``; None where it cannot be derived here."""
         if self.unknown_because is not None:
             return None
-        if modality == "video" and (self.video_lists or _video_lists(fields.get("mm_processor_kwargs"))):
+        if modality == "video" and (self.video_lists or video_lists(fields.get("mm_processor_kwargs"))):
             return None
         if (
             modality in _SCOPED_KWARGS
@@ -248,7 +223,7 @@ def _merged_video_options(
     return merged
 
 
-def _video_lists(processor: Any) -> bool:
+def video_lists(processor: Any) -> bool:
     """Per-video ``fps`` or ``num_frames`` lists in ``videos_kwargs``: Qwen3-VL then hashes each video
     again with its own entries (``Qwen3VLMultiModalProcessor._get_mm_hashes``)."""
     scoped = processor.get("videos_kwargs") if isinstance(processor, dict) else None

@@ -30,15 +30,6 @@ class MediaPolicy:
     allowed_domains: tuple[str, ...] = ()
     local_root: Path | None = None
 
-    @classmethod
-    def of_vllm(cls, vllm_config: object) -> MediaPolicy:
-        """The policy of a vLLM server, from its ``model_config``."""
-        model_config = getattr(vllm_config, "model_config", None)
-        domains = getattr(model_config, "allowed_media_domains", None) or ()
-        local = getattr(model_config, "allowed_local_media_path", None) or ""
-        root = Path(local).resolve() if isinstance(local, str) and local else None
-        return cls(tuple(str(domain) for domain in domains), root)
-
     async def refusal(self, url: str | Raw) -> str | None:
         """vLLM's message refusing ``url`` on this server, or None when it would load it."""
         if isinstance(url, Raw):

@@ -1,11 +1,13 @@
-"""One request's path, top to bottom: body -> media parts -> plan -> encoder calls -> handles -> engine
-request -> (remote prefill) -> body for the local engine.
+"""One request's path, top to bottom: body -> media parts -> (encode stage: plan, encoder calls, handles)
+-> engine request -> (prefill stage) -> body for the local engine.
 
-The same path serves every surface and every topology: E + PD,
-E + P + D (``prefill``), P + D without encoders, and Mooncake push (a consumer address to push to).
-Surfaces: chat completions, Anthropic Messages, OpenAI Responses. Encoders and prefill servers come from
-the pools (static URLs and DNS names, :mod:`.discovery`) or from a scheduler's headers
-(:mod:`.scheduler`); :mod:`.selection` ranks them per item.
+The same path serves every surface and every topology: E + PD, E + P + D (``prefill``), P + D without
+encoders, and Mooncake push (a consumer address to push to). Surfaces: chat completions (and its batch
+form), Anthropic Messages, OpenAI Responses. Encoders and prefill servers come from the pools (static URLs
+and DNS names, :mod:`.discovery`) or from a scheduler's headers (:mod:`.scheduler`); :mod:`.selection`
+ranks them per item. The pipeline also makes the request's decisions that depend on the server it runs
+in (:class:`~.host.Host`): which scheduler choices it may follow, where embeddings are pushed, what model
+the servers must serve.
 """
 
 from __future__ import annotations
@@ -13,78 +15,40 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid as uuid_module
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
+import anyio.abc
 
-from . import selection
+from ._rawjson import text_of
 from .compat import Expectation
 from .config import EPDConfig
+from .context import RequestContext
 from .discovery import Discovery
-from .encoders import EncoderRequest, encode
+from .encoding import EncodeStage
 from .errors import (
     MediaRefused,
-    NoHealthyUpstream,
     Overloaded,
     RefusedField,
     TooManyMediaItems,
     UnresolvableReference,
     UnwritableRequest,
-    UpstreamError,
 )
-from .handles import Handle, ItemKey, part_metadata, push_items, transfer_params
-from .identifiers import IdentifierRule
+from .host import Host
 from .logs import logger
 from .media_policy import MediaPolicy
 from .metrics import Stats
-from .plan import EncoderCall, MediaItem, media_items, plan_calls
 from .pool import PoolPolicy, ServerPool
-from .prefill import decode_fields, prefill
-from .protocol import (
-    EC_CONSUMER_ZMQ,
-    EC_ITEM_TRANSFER_ID,
-    EC_ITEMS,
-    EC_TRANSFER_PARAMS,
-    KV_TRANSFER_PARAMS,
-    REQUEST_ID_HEADER,
-    VLLM_XARGS,
-    embedding_stored,
-)
-from .reuse import HandleCache, ReuseKey, request_key
+from .prefill import PrefillStage
+from .protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS, embedding_stored
+from .reuse import HandleCache
 from .scheduler import NO_ROUTE, Route, Scheduler
 from .surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .transport import Transport
 
-__all__ = ["Pipeline", "RequestContext"]
-
-
-_REQUEST_ID = REQUEST_ID_HEADER.decode()
-
-
-@dataclass(frozen=True, slots=True)
-class RequestContext:
-    """What one request's path needs from the server it runs in."""
-
-    client: Transport
-    request_id: str
-    # Where the local EC connector keeps embeddings as files (ECExampleConnector), to check them.
-    storage: str | None = None
-    # How the engine identifies media items (the hash it looks an embedding up under).
-    identifiers: IdentifierRule = field(default_factory=IdentifierRule)
-    # This server's media policy (inside vLLM), applied before any encoder call.
-    media_policy: MediaPolicy | None = None
-    # The client's Authorization header, sent on when forward_authorization is on.
-    authorization: str | None = None
-    # Mooncake push: the ZMQ address encoders push this request's embeddings to.
-    push_to: str | None = None
-    # The encoders and prefill server a scheduler chose for this request (empty: the pools decide).
-    route: Route = NO_ROUTE
-    # Encode every item again, reusing nothing (an engine retry: what it was given did not work).
-    fresh: bool = False
+__all__ = ["Pipeline", "RequestContext", "pool_policy", "refused_transfer_field"]
 
 
 @dataclass
@@ -99,6 +63,8 @@ class Pipeline:
     scheduler: Scheduler | None = field(init=False, default=None)
     reuse: HandleCache = field(init=False)
     pending: int = field(init=False, default=0)
+    _encode: EncodeStage = field(init=False)
+    _prefill: PrefillStage = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.config
@@ -119,6 +85,8 @@ class Pipeline:
                 self.stats,
                 max_encoders=config.max_media_items,
             )
+        self._encode = EncodeStage(config, self.encoders, self.reuse, self.stats)
+        self._prefill = PrefillStage(config, self.prefill, self.stats)
 
     def _discovery(self, pool: ServerPool, urls: tuple[str, ...]) -> Discovery:
         config = self.config
@@ -130,10 +98,19 @@ class Pipeline:
     def counters(self) -> Counter[str]:
         return self.stats.counters
 
-    def route(self, headers: list[tuple[bytes, bytes]]) -> Route:
+    # Before the body ---------------------------------------------------------------------------------
+
+    def route(self, headers: list[tuple[bytes, bytes]], host: Host) -> Route:
         """What the scheduler chose for this request (:class:`~epd_middleware.errors.ForbiddenTarget`
-        for a prefill target it may not call); nothing without a scheduler."""
-        return NO_ROUTE if self.scheduler is None else self.scheduler.route(headers)
+        for a prefill target it may not call); nothing without a scheduler. A prefill target is followed
+        only where this server can take a KV cache another server prefilled."""
+        if self.scheduler is None:
+            return NO_ROUTE
+        route = self.scheduler.route(headers)
+        if route.prefill is not None and not host.kv_consumer:
+            self.stats.request("prefill_header_ignored")
+            return Route(route.encoders, None)
+        return route
 
     def parse(self, surface: Surface, body: bytes, route: Route = NO_ROUTE) -> ParsedRequest | None:
         """The request's media parts (and the client's own references), or None when the body passes to
@@ -168,6 +145,29 @@ class Pipeline:
         self.stats.stage("parse", time.perf_counter() - started)
         return request
 
+    def context(
+        self,
+        request: ParsedRequest,
+        host: Host,
+        transport: Transport,
+        request_id: str,
+        *,
+        authorization: str | None,
+        headers: Iterable[tuple[bytes, bytes]],
+        route: Route = NO_ROUTE,
+    ) -> RequestContext:
+        """The request's context: where its embeddings are pushed (and the engine rank pinned for it),
+        the key its calls carry (the client's own with ``forward_authorization``). Inside vLLM the model
+        the servers must serve is known from now on."""
+        push_to, pin_rank = host.push_target(headers) if request.media else (None, None)
+        if self.expectation is None and host.expectation is not None:
+            self.expect(host.expectation)
+        if not self.config.forward_authorization or authorization is None:
+            authorization = self.config.encoder_authorization
+        return RequestContext(transport, request_id, host, authorization, push_to, pin_rank, route)
+
+    # The body for the engine -------------------------------------------------------------------------
+
     async def prepare(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> bytes:
         """The body the local engine should see.
 
@@ -180,8 +180,8 @@ class Pipeline:
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
         self._check_references(surface, request, context)
-        if context.media_policy is not None:
-            await _check_media_policy(surface, request, context.media_policy)
+        if context.host.media_policy is not None:
+            await _check_media_policy(surface, request, context.host.media_policy)
         if self.pending >= config.max_pending_requests:
             raise Overloaded(
                 f"{self.pending} requests are already waiting for encoders or prefill; retry later",
@@ -189,26 +189,22 @@ class Pipeline:
             )
         self.pending += 1
         try:
-            route = context.route
-            fields = request.fields
-            notes: list[str] = []
-            remote_prefill = bool(config.prefill or route.prefill)
             for discovery in self.discoveries:
                 await discovery.ready()
-            if request.media and (config.encoders or route.encoders):
-                fields = await self._encode(surface, request, context, notes)
+            fields, notes = request.fields, []
+            if request.media and (config.encoders or context.route.encoders):
+                encoded = await self._encode.run(surface, request, context)
+                fields, notes = encoded.fields, [encoded.note]
             elif request.media:
                 self.stats.encoder_source("local")  # no encoder anywhere: vLLM encodes it itself
-            blocker = surface.prefill_blocker(fields) if remote_prefill else None
-            if blocker is not None:
-                self.stats.request("prefill_skipped")
-                notes.append(f"prefilled here: {blocker}")
-                fields = decode_fields(fields, None)
-            elif remote_prefill:
-                fields = await self._prefill(surface, request, fields, context, notes)
+            if config.prefill or context.route.prefill:
+                prefilled = await self._prefill.run(surface, request, fields, context)
+                fields = prefilled.fields
+                notes.append(prefilled.note)
             body = encode_fields(fields, compat=request.compat)
-            if notes and logger.isEnabledFor(logging.INFO):
-                logger.info("request %s: %s", context.request_id, "; ".join(notes))
+            said = [note for note in notes if note]
+            if said and logger.isEnabledFor(logging.INFO):
+                logger.info("request %s: %s", context.request_id, "; ".join(said))
             return body
         except Unusable:
             # Never the client's body as it came instead: the engine would read what was not checked.
@@ -221,31 +217,52 @@ class Pipeline:
         under the identifier the engine will derive: a missing one kills vLLM's engine core. Where the
         middleware cannot confirm it (no storage it can look in, options it cannot follow), it is
         refused."""
+        storage = context.host.storage
         for reference in request.references:
             where = f"the {reference.kind} part at {surface.where(reference.location)}"
             if reference.uuid is None:
                 raise UnresolvableReference(
                     f"{where} has no uuid: vLLM could not tell which embedding it means", param=surface.field
                 )
-            if context.storage is None:
+            if storage is None:
                 raise UnresolvableReference(
                     f"{where} refers to an embedding this server cannot confirm it has (its EC connector "
                     "keeps none the middleware can look at); send the media itself",
                     param=surface.field,
                 )
-            identifier = context.identifiers.identifier(reference.modality, reference.uuid, request.fields)
+            identifier = context.host.identifiers.identifier(
+                reference.modality, reference.uuid, request.fields
+            )
             if identifier is None:
                 raise UnresolvableReference(
                     f"{where} refers to an embedding whose identifier under this request's options cannot "
                     "be derived here; send the media itself",
                     param=surface.field,
                 )
-            if not embedding_stored(context.storage, identifier):
+            if not embedding_stored(storage, identifier):
                 self.stats.request("reference_refused")
                 raise UnresolvableReference(
                     f"{where} refers to embedding {identifier[:80]!r}, which this server does not have",
                     param=surface.field,
                 )
+
+    # After the engine --------------------------------------------------------------------------------
+
+    def engine_answered(self, request: ParsedRequest) -> None:
+        """The local engine answered 200. Outside vLLM and without ``expected_model``, its model is one
+        this server serves, so the encoders and prefill servers must serve it too."""
+        if self.expectation is not None or not self.config.check_models:
+            return
+        model = text_of(request.fields.get(MODEL))
+        if isinstance(model, str) and model:
+            self.expect(Expectation(frozenset({model})))
+            logger.info(
+                "epd: this server serves %r (the first request the engine answered); encoders and prefill "
+                "servers are used once they serve it too",
+                model,
+            )
+
+    # Servers -----------------------------------------------------------------------------------------
 
     def expect(self, expectation: Expectation) -> None:
         """Encoders and prefill servers are used only once seen serving ``expectation``."""
@@ -261,237 +278,23 @@ class Pipeline:
         auth = self.config.encoder_authorization
         return {"authorization": auth} if auth else {}
 
-    def _headers(self, context: RequestContext, suffix: str) -> dict[str, str]:
-        headers = {_REQUEST_ID: f"{context.request_id}-{suffix}"}
-        auth = context.authorization if self.config.forward_authorization else None
-        if auth is None:
-            auth = self.config.encoder_authorization
-        if auth is not None:
-            headers["authorization"] = auth
-        return headers
+    def refresh_soon(self, group: anyio.abc.TaskGroup) -> None:
+        """Where no lifespan looks DNS names up, a lookup beside this request when an answer is old."""
+        for discovery in self.discoveries:
+            discovery.refresh_soon(group)
 
-    async def _encode(
-        self, surface: Surface, request: ParsedRequest, context: RequestContext, notes: list[str]
-    ) -> dict[str, Any]:
-        """Encode the request's media on the encoders (what is not reused); the engine request with the
-        handles."""
-        config, pool = self.config, self.encoders
-        items, uuids = media_items(
-            request.media,
-            trust_client_uuid=config.trust_client_uuid and surface.pins_uuids,
-            salt=request.cache_salt,
-            encoder_part=surface.encoder_part,
-        )
-        rule = context.identifiers
-        # The identifier the engine will give each item, where the surface pins the uuid (Messages: the
-        # engine hashes the image itself, and its parts are never references): a handle under any other
-        # hash would name an embedding the engine never looks up.
-        expected: dict[ItemKey, str | None] = (
-            {
-                (item.modality, item.uuid): rule.identifier(item.modality, item.uuid, request.fields)
-                for item in items
-            }
-            if surface.pins_uuids
-            else {}
-        )
-        reuse_keys: dict[ItemKey, ReuseKey] = {}
-        reused: dict[ItemKey, Handle] = {}
-        # A body read by Python's json may hold values the reuse key cannot tell apart (NaN and null):
-        # such rare bodies are encoded afresh.
-        if (
-            not request.compat
-            and self.reuse_blocker(context.storage, pushed=context.push_to is not None) is None
-        ):
-            assert context.storage is not None
-            common = request_key(request.fields, pins_uuids=surface.pins_uuids)
-            reuse_keys = {(item.modality, item.uuid): (item.modality, item.uuid, common) for item in items}
-            if context.fresh:  # the engine could not use what it was given: nothing of it again
-                self.reuse.forget(reuse_keys.values())
-            else:
-                reused = self.reuse.take(reuse_keys, context.storage, expected)
-        to_encode = tuple(item for item in items if (item.modality, item.uuid) not in reused)
-        local = config.on_encoder_failure == "local"
-        choices, source = self._choose(to_encode, context.route) if to_encode else ([], "reuse")
-        if to_encode and not choices and not local:
-            raise NoHealthyUpstream("every encoder is failing its calls; retry later", config.retry_after)
-        self.stats.encoder_source(source if choices or not to_encode else "local")
-        calls = plan_calls(to_encode, choices, config.max_batch_size) if choices else ()
-        started = time.perf_counter()
-        outcome = await encode(
-            pool,
-            context.client,
-            calls,
-            self._encoder_requests(surface, request, calls, context.push_to),
-            [self._headers(context, f"enc{index}") for index in range(len(calls))],
-            deadline=config.encode_deadline,
-            storage=context.storage,
-            expected={key: value for key, value in expected.items() if value is not None},
-            stop_at_first_failure=not local,
-        )
-        encoded = time.perf_counter()
-        self.stats.stage("encode", encoded - started)
-        if reuse_keys:
-            self.reuse.put(reuse_keys, outcome.handles)
-        fallen = 0
-        if outcome.failed or (to_encode and not calls):
-            # Only under the 'local' policy: those items go to the engine as the media the client sent.
-            fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(to_encode)
-            reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
-            self.stats.fallback(fallen)
-            logger.warning(
-                "request %s: %d media item(s) left to the local engine: %s",
-                context.request_id,
-                fallen,
-                reason,
-            )
-
-        handles = {**reused, **outcome.handles}
-        keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
-        rewrite = config.rewrite and surface.rewrites
-        keep_raw = request.referenced_modalities
-        if rewrite:
-            keep_raw = keep_raw | self._unconfirmed(handles, expected, rule, context.storage, reuse_keys)
-        metadata = part_metadata(keys, handles, rewrite=rewrite, keep_raw=keep_raw)
-        ec_params = transfer_params(handles)
-        if context.push_to is not None:
-            ec_params[EC_ITEMS] = push_items(keys, handles)
-        fields = surface.engine_fields(request, uuids, metadata, ec_params)
-        rewritten = time.perf_counter()
-        self.stats.stage("rewrite", rewritten - encoded)
-        if reused:
-            self.stats.reused(len(reused))
-        if not fallen:
-            self.stats.encoded(len(items), len(calls))
-        if logger.isEnabledFor(logging.INFO):
-            used = ", ".join(sorted({call.encoder for call in calls})) or "none"
-            notes.append(
-                f"{len(items)} media item(s), {len(calls)} encoder call(s) to {used}"
-                + (f", {len(reused)} reused" if reused else "")
-                + f"; encode {(encoded - started) * 1000:.1f} ms"
-                + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
-                + (f"; {fallen} left to the local engine" if fallen else "")
-            )
-        return fields
-
-    def _unconfirmed(
-        self,
-        handles: Mapping[ItemKey, Handle],
-        expected: Mapping[ItemKey, str | None],
-        rule: IdentifierRule,
-        storage: str | None,
-        reuse_keys: Mapping[ItemKey, ReuseKey],
-    ) -> frozenset[str]:
-        """The modalities that must stay raw because one of their handles cannot be confirmed as a
-        reference just before the engine gets it: inside vLLM (the model path known) an identifier that
-        cannot be derived here, and with storage an embedding no longer there (it was checked when its
-        call returned or when it was reused; a cleanup may have removed it while the other calls ran)."""
-        unconfirmed: set[str] = set()
-        for key, handle in handles.items():
-            if rule.model is not None and key in expected and expected[key] is None:
-                self.stats.counters["identifier_unknown_items"] += 1
-                unconfirmed.add(key[0])
-            elif storage is not None and not embedding_stored(storage, handle.mm_hash):
-                self.stats.counters["embeddings_gone_before_the_engine"] += 1
-                unconfirmed.add(key[0])
-                if key in reuse_keys:
-                    self.reuse.forget((reuse_keys[key],))
-        return frozenset(unconfirmed)
-
-    def reuse_blocker(self, storage: str | None, *, pushed: bool) -> str | None:
-        """Why media may not be taken from the reuse cache (given where embeddings are checked, and
-        whether encoders push them), or None when it may."""
-        if not self.config.reuse_handles:
-            return "off (reuse_handles=false)"
-        if pushed:
-            return "off: Mooncake push (a pushed embedding cannot be checked before it is referenced)"
-        if storage is None:
-            return (
-                "off: no embedding storage to check (only ECExampleConnector with check_embeddings "
-                "lets the middleware confirm an embedding is still there)"
-            )
-        return None
-
-    def _choose(self, items: tuple[MediaItem, ...], route: Route) -> tuple[list[tuple[str, ...]], str]:
-        """An encoder ranking per item, and who chose it (``scheduler`` or ``pool``); no rankings when no
-        encoder is available."""
-        pool, config, now = self.encoders, self.config, anyio.current_time()
-        if route.encoders:
-            rankings = selection.scheduled(route.encoders, len(items), lambda url: pool.usable(url, now))
-            if rankings is not None:
-                return rankings, "scheduler"
-        encoders = pool.available(now)
-        if not encoders:
-            return [], "pool"
-        if config.encoder_selection == "round_robin":
-            return selection.round_robin(
-                encoders, pool.reserve(len(items), len(encoders)), len(items)
-            ), "pool"
-        return (
-            selection.affinity(
-                items,
-                encoders,
-                pool.in_flight_by_server(),
-                max_inflight=config.max_inflight_per_encoder,
-                max_batch_size=config.max_batch_size,
-            ),
-            "pool",
-        )
-
-    @staticmethod
-    def _encoder_requests(
-        surface: Surface, request: ParsedRequest, calls: tuple[EncoderCall, ...], push_to: str | None
-    ) -> Callable[[EncoderCall], EncoderRequest]:
-        """How each encoder call's body is made, per try."""
-        if push_to is None:
-            # Built once: every try of a call sends the same body.
-            built = {id(call): EncoderRequest(surface.encoder_body(request, _parts(call))) for call in calls}
-            return lambda call: built[id(call)]
-
-        def pushed(call: EncoderCall) -> EncoderRequest:
-            # A fresh transfer id per item and per try: a push the failed encoder may have begun must
-            # never be confused with the retry's.
-            ids = tuple(uuid_module.uuid4().hex for _ in call.items)
-            params = {EC_CONSUMER_ZMQ: push_to, EC_ITEMS: [{EC_ITEM_TRANSFER_ID: tid} for tid in ids]}
-            return EncoderRequest(surface.encoder_body(request, _parts(call), params), ids)
-
-        return pushed
-
-    async def _prefill(
-        self,
-        surface: Surface,
-        request: ParsedRequest,
-        fields: dict[str, Any],
-        context: RequestContext,
-        notes: list[str],
-    ) -> dict[str, Any]:
-        """Prefill the engine request remotely; the decode request for the local engine."""
-        config = self.config
-        started = time.perf_counter()
-        try:
-            kv_params = await prefill(
-                self.prefill,
-                context.client,
-                surface,
-                fields,
-                self._headers(context, "prefill"),
-                retry_after=config.retry_after,
-                preferred=(context.route.prefill,) if context.route.prefill else (),
-                compat=request.compat,
-            )
-        except (UpstreamError, NoHealthyUpstream) as exc:
-            rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad
-            if config.on_prefill_failure != "local" or rejected:
-                raise
-            self.stats.request("prefill_fallback")
-            logger.warning("request %s: prefilled by the local engine: %s", context.request_id, exc.message)
-            return decode_fields(fields, None)
-        elapsed = time.perf_counter() - started
-        self.stats.stage("prefill", elapsed)
-        if not request.media:
-            self.stats.request("prefilled")
-        if logger.isEnabledFor(logging.INFO):
-            notes.append(f"prefill {elapsed * 1000:.1f} ms")
-        return decode_fields(fields, kv_params)
+    def reuse_status(self, host: Host) -> dict[str, Any]:
+        """Whether media is reused (the answer for a request on this server without a pinned Mooncake
+        rank), why not when it is not, and the cache's figures."""
+        blocker = self._encode.reuse_blocker(host.storage, pushed=host.push is not None)
+        cache = self.reuse
+        return {
+            "enabled": blocker is None,
+            "why_not": blocker,
+            "entries": len(cache),
+            "hits": cache.hits,
+            "stale_dropped": cache.stale,
+        }
 
 
 def pool_policy(config: EPDConfig, timeout: float) -> PoolPolicy:
@@ -546,7 +349,3 @@ def refused_transfer_field(fields: Mapping[str, Any], *, owns_kv: bool, prefille
             "kv_transfer_params are set by this server, which runs remote prefill itself",
             param=KV_TRANSFER_PARAMS,
         )
-
-
-def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:
-    return [item.part for item in call.items]

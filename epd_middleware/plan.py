@@ -5,14 +5,14 @@ Pure functions over small frozen dataclasses; nothing here does I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from blake3 import blake3
 
 from ._rawjson import Raw, raw_text
-from .protocol import UNBATCHED_MODALITIES
+from .protocol import UNBATCHED_MODALITIES, UUID
 
 __all__ = ["EncoderCall", "MediaItem", "MediaSource", "content_uuid", "media_items", "plan_calls"]
 
@@ -26,6 +26,8 @@ class MediaSource(Protocol):
     def content(self) -> tuple[str | Raw, ...]: ...
     @property
     def client_uuid(self) -> str | None: ...
+    @property
+    def part(self) -> Mapping[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +110,14 @@ def media_items(
     *,
     trust_client_uuid: bool,
     salt: str | None,
-    encoder_part: Callable[[Any, str], Mapping[str, Any]],
+    pin_uuid: bool,
 ) -> tuple[tuple[MediaItem, ...], tuple[str, ...]]:
     """The distinct items of a request and, for each part, the uuid of its item.
 
     Parts of one modality with the same uuid are one item, encoded once. A client uuid is kept only when
-    trusted: it is a key that every client shares, so by default the content decides.
+    trusted: it is a key that every client shares, so by default the content decides. ``pin_uuid``: the
+    encoder's part carries the uuid (the engine's will too); else it goes as the client sent it (the
+    engine hashes the media itself).
     """
     uuids: list[str] = []
     items: dict[tuple[str, str], MediaItem] = {}
@@ -125,5 +129,5 @@ def media_items(
         uuids.append(uuid)
         key = (part.modality, uuid)
         if key not in items:
-            items[key] = MediaItem(uuid, part.modality, encoder_part(part, uuid))
+            items[key] = MediaItem(uuid, part.modality, {**part.part, UUID: uuid} if pin_uuid else part.part)
     return tuple(items.values()), tuple(uuids)

@@ -10,19 +10,78 @@ fail over like encoder calls (:mod:`epd_middleware.pool`).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
-from .errors import NoHealthyUpstream, UpstreamBadReply
+from .config import EPDConfig
+from .context import RequestContext
+from .errors import NoHealthyUpstream, UpstreamBadReply, UpstreamError
+from .logs import logger
+from .metrics import Stats
 from .pool import ServerPool
 from .protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
-from .surfaces import Surface, outgoing_body
+from .surfaces import ParsedRequest, Surface, outgoing_body
 from .transport import Transport
 from .upstream import Attempt
 
-__all__ = ["decode_fields", "prefill", "prefill_fields"]
+__all__ = ["PrefillStage", "Prefilled", "decode_fields", "prefill", "prefill_fields"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """The decode request for the local engine, and what to say of it in the request's log line."""
+
+    fields: dict[str, Any]
+    note: str | None = None
+
+
+@dataclass
+class PrefillStage:
+    """Prefills a request on the prefill pool (a scheduler's choice first), under the fallback policy."""
+
+    config: EPDConfig
+    pool: ServerPool
+    stats: Stats
+
+    async def run(
+        self, surface: Surface, request: ParsedRequest, fields: dict[str, Any], context: RequestContext
+    ) -> Prefilled:
+        """The decode request for the engine request ``fields`` (with its handles)."""
+        blocker = surface.prefill_blocker(fields)
+        if blocker is not None:
+            self.stats.request("prefill_skipped")
+            return Prefilled(decode_fields(fields, None), f"prefilled here: {blocker}")
+        config, route = self.config, context.route
+        started = time.perf_counter()
+        try:
+            kv_params = await prefill(
+                self.pool,
+                context.transport,
+                surface,
+                fields,
+                context.call_headers("prefill"),
+                retry_after=config.retry_after,
+                preferred=(route.prefill,) if route.prefill else (),
+                compat=request.compat,
+            )
+        except (UpstreamError, NoHealthyUpstream) as exc:
+            rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad
+            if config.on_prefill_failure != "local" or rejected:
+                raise
+            self.stats.request("prefill_fallback")
+            logger.warning("request %s: prefilled by the local engine: %s", context.request_id, exc.message)
+            return Prefilled(decode_fields(fields, None))
+        elapsed = time.perf_counter() - started
+        self.stats.stage("prefill", elapsed)
+        if not request.media:
+            self.stats.request("prefilled")
+        note = f"prefill {elapsed * 1000:.1f} ms" if logger.isEnabledFor(logging.INFO) else None
+        return Prefilled(decode_fields(fields, kv_params), note)
 
 
 def prefill_fields(fields: Mapping[str, Any], surface: Surface) -> dict[str, Any]:
@@ -48,7 +107,7 @@ def decode_fields(fields: Mapping[str, Any], kv_transfer_params: dict[str, Any] 
 
 async def prefill(
     pool: ServerPool,
-    client: Transport,
+    transport: Transport,
     surface: Surface,
     fields: Mapping[str, Any],
     headers: Mapping[str, str],
@@ -66,7 +125,7 @@ async def prefill(
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
     body = outgoing_body(prefill_fields(fields, surface), compat=compat)
     return await pool.call(
-        client, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
+        transport, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
     )
 
 

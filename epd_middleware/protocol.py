@@ -1,4 +1,6 @@
-"""What the middleware knows of vLLM's wire protocol (vLLM 0.32), in one place.
+"""What the middleware knows of vLLM's wire protocol (vLLM 0.32), in one place: names and shapes on the
+wire and in the EC connector's storage. What a vLLM server says about itself (its configuration) is read
+in :mod:`.host`.
 
 Sources in vLLM: ``renderers/chat_utils.py`` (content parts, the uuid rule, the raw/embeds mixing rule),
 ``entrypoints/openai/chat_completion/protocol.py`` (request fields),
@@ -13,7 +15,6 @@ surface's adapter in :mod:`epd_middleware.surfaces`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Final
 
 # Content part type -> (modality, key that holds the media, key of the media inside that holder). The
@@ -115,6 +116,7 @@ EC_ITEMS: Final = "ec_items"
 EC_ITEM_TRANSFER_ID: Final = "transfer_id"
 EC_ITEM_MM_HASH: Final = "mm_hash"
 MOONCAKE_EC_CONNECTOR: Final = "ECMooncakeConnector"
+EXAMPLE_EC_CONNECTOR: Final = "ECExampleConnector"
 
 # vLLM sends a request to the data-parallel engine this header names (``_get_data_parallel_rank``).
 DATA_PARALLEL_RANK_HEADER: Final = b"x-data-parallel-rank"
@@ -158,79 +160,3 @@ def embedding_stored(storage: str, mm_hash: str) -> bool:
     connector's (local or shared) file system."""
     path = example_connector_file(storage, mm_hash)
     return path is not None and os.path.exists(path)
-
-
-def example_connector_storage(vllm_config: object) -> str | None:
-    """The directory where this server's ECExampleConnector looks for embeddings, if that is its connector.
-
-    ``distributed/ec_transfer/ec_connector/example_connector.py``: ``<shared_storage_path>/<mm_hash>/
-    encoder_cache.safetensors``, ``shared_storage_path`` defaulting to ``/tmp``.
-    """
-    ec = getattr(vllm_config, "ec_transfer_config", None)
-    if ec is None or getattr(ec, "ec_connector", None) != "ECExampleConnector":
-        return None
-    extra = getattr(ec, "ec_connector_extra_config", None) or {}
-    path = extra.get("shared_storage_path", "/tmp") if isinstance(extra, dict) else "/tmp"
-    return str(path)
-
-
-@dataclass(frozen=True, slots=True)
-class MooncakeConsumers:
-    """Where encoders push embeddings for this server: one ZMQ address per data-parallel rank it runs.
-
-    ``pin``: the server chooses among several engines, so the request must be sent to the rank whose
-    address the encoder was given (``X-data-parallel-rank``).
-    """
-
-    by_rank: dict[int, str]
-    pin: bool
-
-
-def mooncake_consumers(vllm_config: object) -> MooncakeConsumers | None:
-    """The consumer addresses of this server's ECMooncakeConnector, if that is its connector.
-
-    ``distributed/ec_transfer/ec_connector/mooncake/config.py`` (``MooncakeECConfig.from_vllm_config``):
-    an engine's control socket listens on ``tcp://<ec_ip>:<ec_port + data_parallel_index *
-    tensor_parallel_size>``, ``data_parallel_index`` being its data-parallel rank
-    (``config/parallel.py``), and the producer pushes to the ``consumer_zmq`` of the encoder request
-    (``mooncake/scheduler.py`` ``_prepare_push_spec``). The ranks this API server runs are
-    ``data_parallel_rank`` .. ``+ data_parallel_size_local``: all of them on a single node, the node's
-    own with hybrid or external load balancing.
-    """
-    ec = getattr(vllm_config, "ec_transfer_config", None)
-    if ec is None or getattr(ec, "ec_connector", None) != MOONCAKE_EC_CONNECTOR:
-        return None
-    if getattr(ec, "ec_role", None) not in ("ec_consumer", "ec_both"):
-        return None
-    parallel = getattr(vllm_config, "parallel_config", None)
-    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
-    first = int(getattr(parallel, "data_parallel_rank", 0) or 0)
-    local = getattr(parallel, "data_parallel_size_local", None)
-    count = int(local) if local else dp
-    if getattr(parallel, "data_parallel_external_lb", False):
-        count = 1
-    host, port = str(ec.ec_ip), int(ec.ec_port)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"  # an IPv6 literal, as vLLM's make_zmq_path writes it
-    by_rank = {rank: f"tcp://{host}:{port + rank * tp}" for rank in range(first, first + count)}
-    return MooncakeConsumers(by_rank, pin=dp > 1 and count > 1)
-
-
-def cli_api_keys(args: object) -> list[str]:
-    """The keys given on vLLM's command line (``--api-key``, ``nargs="+"``: a list; a plain string from
-    older versions and custom launchers is one key)."""
-    keys = getattr(args, "api_key", None) or []
-    if isinstance(keys, str):
-        keys = [keys]
-    return [key for key in keys if isinstance(key, str) and key]
-
-
-def unguarded_routes(args: object) -> tuple[str, ...]:
-    """Routes this vLLM server serves (by its command line) that take multimodal references or transfer
-    parameters in a form the middleware does not read: ``--enable-scale-out`` and ``--tokens-only`` open
-    ``/inference/v1/generate`` (``entrypoints/scale_out/``), whose ``features`` name embeddings by hash
-    and whose ``sampling_params.extra_args`` carry ``ec_transfer_params``."""
-    if getattr(args, "enable_scale_out", False) or getattr(args, "tokens_only", False):
-        return ("/inference/v1/generate",)
-    return ()

@@ -11,15 +11,14 @@ vLLM is imported by vLLM, not here: the package imports without it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .config import EPDConfig
+from .host import Host
 from .logs import adopt_vllm_logging, logger
 from .middleware import EPDMiddleware
-from .protocol import cli_api_keys, unguarded_routes
 
-__all__ = ["EPDPlugin", "check_keys", "check_server", "plugin", "vllm_api_keys"]
+__all__ = ["EPDPlugin", "check_keys", "check_server", "plugin"]
 
 
 class EPDPlugin:
@@ -52,17 +51,21 @@ class EPDPlugin:
         )
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        check_server(getattr(state, "vllm_config", None), self.config)
+        vllm_config = getattr(state, "vllm_config", None)
+        host = Host.of_vllm(vllm_config, args) if vllm_config is not None else None
+        check_server(host, self.config)
+        if host is None:
+            return
         if self.config is not None:
-            check_keys(self.config, args)
-        for route in unguarded_routes(args):
+            check_keys(self.config, host)
+        for route in host.unguarded_routes:
             logger.warning(
                 "epd: this server serves %s (--enable-scale-out / --tokens-only), which takes embedding "
                 "references and transfer parameters the middleware never sees: a client there can make the "
                 "engine reference an embedding that does not exist. Keep it from clients on a PD server.",
                 route,
             )
-        if not getattr(args, "trust_request_mm_kwargs", True):
+        if not host.trusts_request_mm_kwargs:
             # Not fatal: deployments whose clients never send options work without it.
             logger.warning(
                 "epd: this PD runs without --trust-request-mm-kwargs, so vLLM will reject requests carrying "
@@ -71,49 +74,38 @@ class EPDPlugin:
             )
 
 
-def check_server(vllm_config: Any, config: EPDConfig | None = None) -> None:
+def check_server(host: Host | None, config: EPDConfig | None = None) -> None:
     """Fail start-up with a clear message unless this server consumes encoder caches (EC consumer, when
     there are encoders) and KV caches (KV consumer, when there are prefill servers)."""
-    if vllm_config is None:
+    if host is None or not host.inside_vllm:
         raise RuntimeError(
             "epd: the endpoint plugin needs a vLLM server with an engine (no vllm_config found)"
         )
-    if config is not None and config.prefill:
-        kv = getattr(vllm_config, "kv_transfer_config", None)
-        role = getattr(kv, "kv_role", None)
-        if role not in ("kv_consumer", "kv_both"):
-            raise RuntimeError(
-                f"epd: EPD_PREFILL is set, so this server decodes what the prefill servers computed, but its "
-                f"kv_role is {role!r}; start it with --kv-transfer-config "
-                '\'{"kv_connector": ..., "kv_role": "kv_consumer", ...}\''
-            )
+    if config is not None and config.prefill and host.kv_role not in ("kv_consumer", "kv_both"):
+        raise RuntimeError(
+            f"epd: EPD_PREFILL is set, so this server decodes what the prefill servers computed, but its "
+            f"kv_role is {host.kv_role!r}; start it with --kv-transfer-config "
+            '\'{"kv_connector": ..., "kv_role": "kv_consumer", ...}\''
+        )
     if config is not None and not config.encoders and config.scheduler == "none":
         return  # P/D only: no encoder will ever be called
-    ec = getattr(vllm_config, "ec_transfer_config", None)
-    if ec is None or getattr(ec, "ec_connector", None) is None:
+    if host.ec_connector is None:
         raise RuntimeError(
             "epd: this server has no --ec-transfer-config; the middleware belongs on the PD server, started "
             'with --ec-transfer-config \'{"ec_connector": ..., "ec_role": "ec_consumer", ...}\''
         )
-    if not getattr(ec, "is_ec_consumer", False):
+    if not host.ec_consumer:
         raise RuntimeError(
-            f"epd: this server's ec_role is {getattr(ec, 'ec_role', None)!r}; the middleware belongs on "
+            f"epd: this server's ec_role is {host.ec_role!r}; the middleware belongs on "
             "the PD server (ec_role 'ec_consumer'), not on an encoder"
         )
 
 
-def vllm_api_keys(args: Any) -> list[str]:
-    """The keys vLLM's own check accepts (``AuthenticationMiddleware``): ``--api-key``, else
-    ``VLLM_API_KEY``."""
-    keys = cli_api_keys(args)
-    return keys or [key for key in (os.environ.get("VLLM_API_KEY"),) if key]
-
-
-def check_keys(config: EPDConfig, args: Any) -> None:
+def check_keys(config: EPDConfig, host: Host) -> None:
     """Inside vLLM's key check the middleware checks no key itself: keys given only to it would guard
     nothing. Fail start-up for that; warn about keys vLLM does not know (they open the status page
     only)."""
-    vllm_keys = vllm_api_keys(args)
+    vllm_keys = host.vllm_api_keys
     if config.api_keys and not vllm_keys:
         raise RuntimeError(
             "epd: EPD_API_KEYS is set, but vLLM runs without --api-key (or VLLM_API_KEY), so neither the "

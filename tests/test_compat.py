@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from epd_middleware import EPDMiddleware
-from epd_middleware.compat import Expectation, expectation_of_vllm
+from epd_middleware.compat import Expectation
+from epd_middleware.host import Host
 
 from .fakes import MODEL, FakeEncoders, FakeEngine, FakePrefill, chat_body, image, upstream_client
 from .test_middleware import png, post
@@ -67,9 +68,9 @@ async def lifespan(app: EPDMiddleware, scope_app: Any = None) -> list[dict[str, 
 
 def test_expectation_of_a_vllm_server() -> None:
     config = vllm_app("/models/x", ["a", "b"]).state.vllm_config
-    assert expectation_of_vllm(config) == Expectation(frozenset({"a", "b"}), "/models/x")
+    assert Host.of_vllm(config).expectation == Expectation(frozenset({"a", "b"}), "/models/x")
     unnamed = SimpleNamespace(model_config=SimpleNamespace(model="/models/x", served_model_name=None))
-    assert expectation_of_vllm(unnamed) == Expectation(frozenset({"/models/x"}), "/models/x")
+    assert Host.of_vllm(unnamed).expectation == Expectation(frozenset({"/models/x"}), "/models/x")
 
 
 async def test_a_server_of_another_model_is_not_used(caplog: pytest.LogCaptureFixture) -> None:

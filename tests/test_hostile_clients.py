@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
+from epd_middleware.host import Host
 from epd_middleware.identifiers import hash_kwargs
 from epd_middleware.plan import content_uuid
 from epd_middleware.vllm_plugin import EPDPlugin, check_keys
@@ -554,12 +555,12 @@ async def test_the_plugin_refuses_to_start_with_keys_only_it_would_know(
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     config = EPDConfig(encoders=[E0], api_keys=["k"], authenticate=False)
     with pytest.raises(RuntimeError, match="EPD_API_KEYS is set, but vLLM runs without --api-key"):
-        check_keys(config, SimpleNamespace(api_key=None))
-    check_keys(config, SimpleNamespace(api_key=["k"]))
-    check_keys(config, SimpleNamespace(api_key="k"))
+        check_keys(config, Host.of_vllm(SimpleNamespace(), SimpleNamespace(api_key=None)))
+    check_keys(config, Host.of_vllm(SimpleNamespace(), SimpleNamespace(api_key=["k"])))
+    check_keys(config, Host.of_vllm(SimpleNamespace(), SimpleNamespace(api_key="k")))
     monkeypatch.setenv("VLLM_API_KEY", "k")
-    check_keys(config, SimpleNamespace(api_key=None))
-    check_keys(EPDConfig(encoders=[E0]), SimpleNamespace(api_key=None))
+    check_keys(config, Host.of_vllm(SimpleNamespace(), SimpleNamespace(api_key=None)))
+    check_keys(EPDConfig(encoders=[E0]), Host.of_vllm(SimpleNamespace(), SimpleNamespace(api_key=None)))
 
 
 async def test_the_plugin_warns_of_routes_it_cannot_guard(caplog: pytest.LogCaptureFixture) -> None:

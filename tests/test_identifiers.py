@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from epd_middleware.host import Host
 from epd_middleware.identifiers import IdentifierRule, hash_kwargs
 
 # (model path, hasher, modality, uuid, request fields, server --media-io-kwargs, what vLLM derives)
@@ -237,7 +238,7 @@ def test_the_rule_of_a_vllm_server_is_read_from_its_configuration() -> None:
         ),
         lora_config=None,
     )
-    rule = IdentifierRule.of_vllm(config)
+    rule = Host.of_vllm(config).identifiers
     assert (rule.model, rule.algorithm, dict(rule.server_media_io), rule.video_lists) == (
         "/models/m",
         "sha256",

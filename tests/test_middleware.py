@@ -583,7 +583,7 @@ async def test_lifespan_opens_and_closes_the_owned_client() -> None:
     async def receive() -> dict[str, Any]:
         message = messages.pop(0)
         if message["type"] == "lifespan.shutdown":
-            clients.append(middleware._clients.open())
+            clients.append(middleware._transports.open())
         return message
 
     async def send(message: dict[str, Any]) -> None:
@@ -592,16 +592,16 @@ async def test_lifespan_opens_and_closes_the_owned_client() -> None:
     await middleware({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
     assert clients[0].is_closed
-    assert middleware._clients._owned is None
+    assert middleware._transports._owned is None
 
 
 async def test_owned_client_works_without_lifespan() -> None:
     engine = FakeEngine()
     middleware = EPDMiddleware(engine.app(), encoders=[E0])
-    client = middleware._clients.open()
+    client = middleware._transports.open()
     assert not client.is_closed
-    assert middleware._clients.open() is client
-    await middleware._clients.aclose()
+    assert middleware._transports.open() is client
+    await middleware._transports.aclose()
 
 
 async def test_injected_client_is_never_closed() -> None:
@@ -689,7 +689,7 @@ async def test_nixl_and_cpu_connector_handles_reach_the_engine_whole_under_the_r
 def test_generated_request_ids_are_unique_and_drawn_anew_in_a_forked_child(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from epd_middleware import middleware as module
+    from epd_middleware import exchange as module
 
     ids = {module._new_request_id() for _ in range(1000)}
     assert len(ids) == 1000

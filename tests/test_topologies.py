@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from epd_middleware import EPDMiddleware
-from epd_middleware.protocol import PREFILL_KV_TRANSFER_PARAMS, mooncake_consumers
+from epd_middleware.host import Host
+from epd_middleware.protocol import PREFILL_KV_TRANSFER_PARAMS
 
 from .fakes import (
     MODEL,
@@ -289,6 +290,10 @@ async def test_no_push_fields_without_a_consumer() -> None:
     assert "ec_items" not in engine.received[0].json["ec_transfer_params"]
 
 
+def mooncake_consumers_of(vllm_config: Any) -> Any:
+    return Host.of_vllm(vllm_config).push
+
+
 def mooncake_config(**parallel: Any) -> SimpleNamespace:
     ec = SimpleNamespace(
         ec_connector="ECMooncakeConnector", ec_role="ec_consumer", ec_ip="10.1.2.3", ec_port=15000
@@ -298,26 +303,26 @@ def mooncake_config(**parallel: Any) -> SimpleNamespace:
 
 
 def test_consumer_addresses_follow_vllm_mooncake_config() -> None:
-    single = mooncake_consumers(mooncake_config())
+    single = mooncake_consumers_of(mooncake_config())
     assert single is not None
     assert single.by_rank == {0: "tcp://10.1.2.3:15000"}
     assert not single.pin
     # Engine r listens on ec_port + r * tensor_parallel_size.
-    dp = mooncake_consumers(
+    dp = mooncake_consumers_of(
         mooncake_config(tensor_parallel_size=2, data_parallel_size=2, data_parallel_size_local=2)
     )
     assert dp is not None
     assert dp.by_rank == {0: "tcp://10.1.2.3:15000", 1: "tcp://10.1.2.3:15002"}
     assert dp.pin
     # External load balancing: this API server runs one engine, its own rank.
-    external = mooncake_consumers(
+    external = mooncake_consumers_of(
         mooncake_config(data_parallel_size=4, data_parallel_rank=3, data_parallel_external_lb=True)
     )
     assert external is not None
     assert external.by_rank == {3: "tcp://10.1.2.3:15003"}
     assert not external.pin
     # Hybrid: the node's own ranks.
-    hybrid = mooncake_consumers(
+    hybrid = mooncake_consumers_of(
         mooncake_config(
             data_parallel_size=4,
             data_parallel_rank=2,
@@ -329,11 +334,11 @@ def test_consumer_addresses_follow_vllm_mooncake_config() -> None:
     assert hybrid.by_rank == {2: "tcp://10.1.2.3:15002", 3: "tcp://10.1.2.3:15003"}
     v6 = mooncake_config()
     v6.ec_transfer_config.ec_ip = "fd00::5"
-    assert mooncake_consumers(v6).by_rank == {0: "tcp://[fd00::5]:15000"}  # type: ignore[union-attr]
+    assert mooncake_consumers_of(v6).by_rank == {0: "tcp://[fd00::5]:15000"}  # type: ignore[union-attr]
     producer = mooncake_config()
     producer.ec_transfer_config.ec_role = "ec_producer"
-    assert mooncake_consumers(producer) is None
-    assert mooncake_consumers(SimpleNamespace(ec_transfer_config=None)) is None
+    assert mooncake_consumers_of(producer) is None
+    assert mooncake_consumers_of(SimpleNamespace(ec_transfer_config=None)) is None
 
 
 async def test_push_address_and_dp_rank_come_from_the_server_config() -> None:

@@ -10,7 +10,7 @@ import pytest
 from epd_middleware import EPDConfig, EPDMiddleware, UpstreamBadReply, selection
 from epd_middleware.handles import Handle, match_reply, part_metadata, transfer_params
 from epd_middleware.plan import EncoderCall, MediaItem, content_uuid, plan_calls
-from epd_middleware.surfaces import ParsedRequest
+from epd_middleware.surfaces import ParsedRequest, encode_fields, forwarded_options
 from epd_middleware.surfaces import openai_chat as chat
 
 E0, E1, E2 = "http://enc-0:8001", "http://enc-1:8001", "http://enc-2:8001"
@@ -179,7 +179,7 @@ def test_forwarded_options_are_taken_verbatim() -> None:
         }
     )
     assert request is not None
-    assert chat.forwarded_options(request) == {
+    assert forwarded_options(request) == {
         "mm_processor_kwargs": {"a": 1},
         "media_io_kwargs": {"image": {"b": 2}},
         "priority": 0,
@@ -204,7 +204,9 @@ def test_rewritten_body_keeps_unrelated_fields_and_messages() -> None:
     }
     request = parse(body)
     assert request is not None
-    out = json.loads(chat.rewritten_body(request, ["u"], [{"g": [1]}], {"h": {"metadata": {"g": [1]}}}))
+    out = json.loads(
+        encode_fields(chat.engine_fields(request, ["u"], [{"g": [1]}], {"h": {"metadata": {"g": [1]}}}))
+    )
     assert out["messages"][0] == body["messages"][0]
     assert out["messages"][1]["name"] == "bob"
     assert out["messages"][1]["content"] == [

@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from epd_middleware.host import Host
 from epd_middleware.vllm_plugin import EPDPlugin, check_server, plugin
 
 from .fakes import FakeEngine, chat_body, image
@@ -45,7 +46,7 @@ async def test_init_state_accepts_an_ec_consumer_only() -> None:
             None, ec(ec_connector="X", ec_role="ec_producer", is_ec_consumer=False), None
         )
     with pytest.raises(RuntimeError, match="no --ec-transfer-config"):
-        check_server(SimpleNamespace(ec_transfer_config=None))
+        check_server(Host.of_vllm(SimpleNamespace(ec_transfer_config=None)))
     with pytest.raises(RuntimeError, match="no vllm_config"):
         check_server(None)
 
@@ -115,14 +116,21 @@ def test_with_prefill_the_server_must_be_a_kv_consumer() -> None:
     decoder = SimpleNamespace(
         ec_transfer_config=consumer, kv_transfer_config=SimpleNamespace(kv_role="kv_consumer")
     )
-    check_server(decoder, with_prefill)
+    check_server(Host.of_vllm(decoder), with_prefill)
     for kv in (None, SimpleNamespace(kv_role="kv_producer")):
         with pytest.raises(RuntimeError, match=r"EPD_PREFILL is set.*kv_consumer"):
-            check_server(SimpleNamespace(ec_transfer_config=consumer, kv_transfer_config=kv), with_prefill)
+            check_server(
+                Host.of_vllm(SimpleNamespace(ec_transfer_config=consumer, kv_transfer_config=kv)),
+                with_prefill,
+            )
     # P/D without encoders needs no EC connector at all.
     check_server(
-        SimpleNamespace(ec_transfer_config=None, kv_transfer_config=SimpleNamespace(kv_role="kv_both")),
+        Host.of_vllm(
+            SimpleNamespace(ec_transfer_config=None, kv_transfer_config=SimpleNamespace(kv_role="kv_both"))
+        ),
         EPDConfig(prefill=("http://p:1",)),
     )
     # Encoders without prefill need no KV connector.
-    check_server(SimpleNamespace(ec_transfer_config=consumer), EPDConfig(encoders=("http://e:1",)))
+    check_server(
+        Host.of_vllm(SimpleNamespace(ec_transfer_config=consumer)), EPDConfig(encoders=("http://e:1",))
+    )

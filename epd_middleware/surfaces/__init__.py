@@ -1,8 +1,8 @@
 """Request surfaces: where media sits in a request body and how the body is written back for the engine.
 
-Each surface (OpenAI chat completions, Anthropic Messages, OpenAI Responses) is one adapter module that
-holds all its protocol knowledge; the pipeline drives any of them through :class:`Surface` and never
-looks inside a body itself.
+Each surface (OpenAI chat completions and its batch form, Anthropic Messages, OpenAI Responses) is one
+adapter module that holds all its protocol knowledge and describes itself as one :class:`Surface`; the
+pipeline drives any of them through it and never looks inside a body itself.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
@@ -35,6 +35,7 @@ __all__ = [
     "decode_object",
     "encode_fields",
     "encoder_request",
+    "forwarded_options",
     "no_prefill_blocker",
     "outgoing_body",
     "parse_with",
@@ -105,59 +106,45 @@ class Unusable(Exception):
     """The body's shape is off where the middleware must look: hand it to vLLM unchanged."""
 
 
-class Surface(Protocol):
-    """What the pipeline needs of a request surface."""
+EngineFields = Callable[
+    [ParsedRequest, Sequence[str], Sequence[Mapping[str, Any] | None], Mapping[str, Any]], dict[str, Any]
+]
 
-    @property
-    def name(self) -> str: ...
 
-    @property
-    def path(self) -> str:
-        """The path vLLM serves this surface on: where a prefill request of it goes."""
-        ...
+def no_prefill_blocker(fields: Mapping[str, Any]) -> str | None:
+    """For surfaces whose requests carry all they need: any prefill server can take them."""
+    return None
 
-    @property
-    def field(self) -> str:
-        """The body field that holds the parts (``messages``, ``input``): what errors name."""
-        ...
 
-    def where(self, location: tuple[int, ...]) -> str:
-        """A part's location as the client would write it (``messages[0].content[2]``)."""
-        ...
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """One request surface as the pipeline drives it: a description, one per surface module
+    (``SURFACE``), whose functions hold that surface's protocol knowledge."""
 
-    @property
-    def rewrites(self) -> bool:
-        """True when encoded parts may become metadata-only references (the surface has such parts)."""
-        ...
-
-    @property
-    def pins_uuids(self) -> bool:
-        """True when the engine's parts carry the uuid the encoder was sent (and may become metadata-only
-        references); False when the engine hashes the media itself, so the encoder must be sent no uuid
-        and no per-request options."""
-        ...
-
-    def may_hold_media(self, body: bytes) -> bool:
-        """False only when the body surely holds no media: decides the no-parse pass-through."""
-        ...
-
-    def prefill_blocker(self, fields: Mapping[str, Any]) -> str | None:
-        """Why this request cannot be prefilled on another server (it refers to state kept here), or
-        None."""
-        ...
-
-    def prefill_limits(self, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """The fields that make a prefill request of this surface stop after one token and answer at
-        once (``max_tokens: 1``, ``stream: false`` ...), given the engine request's fields."""
-        ...
-
-    def parse(self, body: bytes) -> ParsedRequest | None:
-        """The media parts of a body, or None when the body should pass through as it is."""
-        ...
-
-    def encoder_part(self, media: MediaPart, uuid: str) -> dict[str, Any]:
-        """The part as an encoder receives it."""
-        ...
+    # The path vLLM serves this surface on: where a prefill request of it goes.
+    path: str
+    # The body field that holds the parts (``messages``, ``input``): what errors name.
+    field: str
+    # True when the engine's parts carry the uuid the encoder was sent, so the encoder is sent the uuid
+    # and the per-request options the engine applies; False when the engine hashes the media itself, so
+    # the encoder must be sent neither (Messages).
+    pins_uuids: bool
+    # True when encoded parts may become metadata-only references (the surface has such parts).
+    rewrites: bool
+    # False only when the body surely holds no media: decides the no-parse pass-through.
+    may_hold_media: Callable[[bytes], bool]
+    # The media parts of a body, or None when the body should pass through as it is.
+    parse: Callable[[bytes], ParsedRequest | None]
+    # The body for the local engine (and a prefill server), as fields: ``(request, uuid per part,
+    # metadata per part, ec_transfer_params)``.
+    engine_fields: EngineFields
+    # The fields that make a prefill request of this surface stop after one token and answer at once
+    # (``max_tokens: 1``, ``stream: false`` ...), given the engine request's fields.
+    prefill_limits: Callable[[Mapping[str, Any]], dict[str, Any]]
+    # A part's location as the client would write it (``messages[0].content[2]``).
+    where: Callable[[tuple[int, ...]], str]
+    # Why a request cannot be prefilled on another server (it refers to state kept here), or None.
+    prefill_blocker: Callable[[Mapping[str, Any]], str | None] = no_prefill_blocker
 
     def encoder_body(
         self,
@@ -165,18 +152,17 @@ class Surface(Protocol):
         parts: Sequence[Mapping[str, Any]],
         ec_transfer_params: Mapping[str, Any] | None = None,
     ) -> Body:
-        """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``."""
-        ...
+        """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``, with
+        the per-request options the local engine will apply where it pins uuids (none otherwise)."""
+        options = forwarded_options(request) if self.pins_uuids else {}
+        return encoder_request(
+            request.fields.get(p.MODEL), parts, options, ec_transfer_params, compat=request.compat
+        )
 
-    def engine_fields(
-        self,
-        request: ParsedRequest,
-        uuids: Sequence[str],
-        metadata: Sequence[Mapping[str, Any] | None],
-        ec_transfer_params: Mapping[str, Any],
-    ) -> dict[str, Any]:
-        """The body for the local engine (and a prefill server), as fields."""
-        ...
+
+def forwarded_options(request: ParsedRequest) -> dict[str, Any]:
+    """The per-request options the encoder must see exactly as the local engine does."""
+    return {name: request.fields[name] for name in p.FORWARDED_OPTIONS if name in request.fields}
 
 
 def encode_fields(fields: Any, *, compat: bool = False) -> bytes:
@@ -341,11 +327,6 @@ def with_parts(
             copied.add(container_index)
         out[container_index][key][part_index] = part
     return out
-
-
-def no_prefill_blocker(fields: Mapping[str, Any]) -> str | None:
-    """For surfaces whose requests carry all they need: any prefill server can take them."""
-    return None
 
 
 def with_handles(fields: dict[str, Any], ec_transfer_params: Mapping[str, Any]) -> dict[str, Any]:

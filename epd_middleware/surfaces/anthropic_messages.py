@@ -24,20 +24,9 @@ import msgspec
 from epd_middleware import protocol as p
 from epd_middleware._rawjson import raw_text, text_of
 
-from . import (
-    Body,
-    MediaPart,
-    ParsedRequest,
-    Raw,
-    Unusable,
-    checked_messages,
-    encoder_request,
-    no_prefill_blocker,
-    parse_with,
-    with_handles,
-)
+from . import MediaPart, ParsedRequest, Raw, Surface, Unusable, checked_messages, parse_with, with_handles
 
-__all__ = ["SURFACE", "AnthropicMessages", "image_url", "may_hold_media", "parse"]
+__all__ = ["SURFACE", "image_url", "may_hold_media", "parse"]
 
 _encode = msgspec.json.Encoder().encode
 _IMAGE = "image"
@@ -110,20 +99,6 @@ def _image(location: tuple[int, ...], source: Any) -> MediaPart:
     return MediaPart(location, "image", {p.TYPE: "image_url", "image_url": {"url": url}}, (url,), None)
 
 
-def encoder_part(media: MediaPart, uuid: str) -> dict[str, Any]:
-    """The part vLLM would build, without a uuid: the engine will not have one either."""
-    return dict(media.part)
-
-
-def encoder_body(
-    request: ParsedRequest,
-    parts: Sequence[Mapping[str, Any]],
-    ec_transfer_params: Mapping[str, Any] | None = None,
-) -> Body:
-    """The encoder request for ``parts``, with no per-request options (Messages has none)."""
-    return encoder_request(request.fields.get(p.MODEL), parts, {}, ec_transfer_params, compat=request.compat)
-
-
 def engine_fields(
     request: ParsedRequest,
     uuids: Sequence[str],
@@ -146,22 +121,16 @@ def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {p.MAX_TOKENS: 1, p.STREAM: False}
 
 
-class AnthropicMessages:
-    """The Anthropic Messages surface, for the pipeline."""
-
-    name = "messages"
-    path = p.MESSAGES_PATH
-    field = p.MESSAGES
-    where = staticmethod(where)
-    rewrites = False
-    pins_uuids = False
-    prefill_limits = staticmethod(prefill_limits)
-    prefill_blocker = staticmethod(no_prefill_blocker)
-    may_hold_media = staticmethod(may_hold_media)
-    parse = staticmethod(parse)
-    encoder_part = staticmethod(encoder_part)
-    encoder_body = staticmethod(encoder_body)
-    engine_fields = staticmethod(engine_fields)
-
-
-SURFACE = AnthropicMessages()
+SURFACE = Surface(
+    path=p.MESSAGES_PATH,
+    field=p.MESSAGES,
+    # No uuid and no options for the encoder: the engine hashes each image's content itself.
+    pins_uuids=False,
+    # Messages has no metadata-only image block.
+    rewrites=False,
+    may_hold_media=may_hold_media,
+    parse=parse,
+    engine_fields=engine_fields,
+    prefill_limits=prefill_limits,
+    where=where,
+)

@@ -14,16 +14,13 @@ from epd_middleware import protocol as p
 from epd_middleware._rawjson import text_of
 
 from . import (
-    Body,
     MediaPart,
     ParsedRequest,
     Raw,
     Reference,
+    Surface,
     Unusable,
     checked_messages,
-    encode_fields,
-    encoder_request,
-    no_prefill_blocker,
     parse_with,
     with_handles,
     with_parts,
@@ -31,19 +28,14 @@ from . import (
 
 __all__ = [
     "SURFACE",
-    "ChatCompletions",
-    "encoder_body",
-    "encoder_part",
     "engine_fields",
     "engine_part",
     "find_in_messages",
     "find_parts",
-    "forwarded_options",
     "may_hold_media",
     "parse",
     "prefill_limits",
     "reference_of",
-    "rewritten_body",
 ]
 
 
@@ -213,31 +205,6 @@ def media_of(part: Mapping[str, Any], kind: str | None) -> tuple[str, tuple[str 
     return modality, (url,)
 
 
-def forwarded_options(request: ParsedRequest) -> dict[str, Any]:
-    """The per-request options the encoder must see exactly as the local engine does."""
-    return {name: request.fields[name] for name in p.FORWARDED_OPTIONS if name in request.fields}
-
-
-def encoder_part(media: MediaPart, uuid: str) -> dict[str, Any]:
-    """The part as an encoder receives it: the client's part with the item's uuid."""
-    return {**media.part, p.UUID: uuid}
-
-
-def encoder_body(
-    request: ParsedRequest,
-    parts: Sequence[Mapping[str, Any]],
-    ec_transfer_params: Mapping[str, Any] | None = None,
-) -> Body:
-    """The encoder request for ``parts``, with the per-request options the local engine will apply."""
-    return encoder_request(
-        request.fields.get(p.MODEL),
-        parts,
-        forwarded_options(request),
-        ec_transfer_params,
-        compat=request.compat,
-    )
-
-
 def engine_fields(
     request: ParsedRequest,
     uuids: Sequence[str],
@@ -270,16 +237,6 @@ def engine_part(media: MediaPart, uuid: str, meta: Mapping[str, Any] | None) -> 
     return {p.TYPE: kind, kind: meta, p.UUID: uuid}
 
 
-def rewritten_body(
-    request: ParsedRequest,
-    uuids: Sequence[str],
-    metadata: Sequence[Mapping[str, Any] | None],
-    ec_transfer_params: Mapping[str, Any],
-) -> bytes:
-    """:func:`engine_fields`, serialised."""
-    return encode_fields(engine_fields(request, uuids, metadata, ec_transfer_params))
-
-
 def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
     """``max_tokens: 1``, and ``max_completion_tokens: 1`` when the client sent it: vLLM prefers that
     field to ``max_tokens``, so it must be capped too."""
@@ -294,22 +251,14 @@ def where(location: tuple[int, ...]) -> str:
     return f"messages[{message}].content[{part}]"
 
 
-class ChatCompletions:
-    """The chat-completions surface, for the pipeline."""
-
-    name = "chat"
-    path = p.CHAT_COMPLETIONS_PATH
-    field = p.MESSAGES
-    where = staticmethod(where)
-    rewrites = True
-    pins_uuids = True
-    prefill_limits = staticmethod(prefill_limits)
-    prefill_blocker = staticmethod(no_prefill_blocker)
-    may_hold_media = staticmethod(may_hold_media)
-    parse = staticmethod(parse)
-    encoder_part = staticmethod(encoder_part)
-    encoder_body = staticmethod(encoder_body)
-    engine_fields = staticmethod(engine_fields)
-
-
-SURFACE = ChatCompletions()
+SURFACE = Surface(
+    path=p.CHAT_COMPLETIONS_PATH,
+    field=p.MESSAGES,
+    pins_uuids=True,
+    rewrites=True,
+    may_hold_media=may_hold_media,
+    parse=parse,
+    engine_fields=engine_fields,
+    prefill_limits=prefill_limits,
+    where=where,
+)

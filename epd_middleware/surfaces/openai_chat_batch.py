@@ -19,22 +19,16 @@ from . import (
     MediaPart,
     ParsedRequest,
     Reference,
+    Surface,
     Unusable,
     checked_messages,
     parse_with,
     with_handles,
     with_parts,
 )
-from .openai_chat import (
-    encoder_body,
-    encoder_part,
-    engine_part,
-    find_in_messages,
-    may_hold_media,
-    prefill_limits,
-)
+from .openai_chat import engine_part, find_in_messages, may_hold_media, prefill_limits
 
-__all__ = ["SURFACE", "ChatCompletionsBatch", "parse"]
+__all__ = ["SURFACE", "parse"]
 
 
 def parse(body: bytes) -> ParsedRequest | None:
@@ -88,22 +82,15 @@ def prefill_blocker(fields: Mapping[str, Any]) -> str | None:
     return "a batch of conversations cannot be prefilled as one request"
 
 
-class ChatCompletionsBatch:
-    """The batch chat surface, for the pipeline."""
-
-    name = "chat_batch"
-    path = p.CHAT_BATCH_PATH
-    field = p.MESSAGES
-    rewrites = True
-    pins_uuids = True
-    where = staticmethod(where)
-    prefill_limits = staticmethod(prefill_limits)
-    prefill_blocker = staticmethod(prefill_blocker)
-    may_hold_media = staticmethod(may_hold_media)
-    parse = staticmethod(parse)
-    encoder_part = staticmethod(encoder_part)
-    encoder_body = staticmethod(encoder_body)
-    engine_fields = staticmethod(engine_fields)
-
-
-SURFACE = ChatCompletionsBatch()
+SURFACE = Surface(
+    path=p.CHAT_BATCH_PATH,
+    field=p.MESSAGES,
+    pins_uuids=True,
+    rewrites=True,
+    may_hold_media=may_hold_media,
+    parse=parse,
+    engine_fields=engine_fields,
+    prefill_limits=prefill_limits,
+    where=where,
+    prefill_blocker=prefill_blocker,
+)

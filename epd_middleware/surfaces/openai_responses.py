@@ -26,6 +26,7 @@ from . import (
     MediaPart,
     ParsedRequest,
     Reference,
+    Surface,
     Unusable,
     check_ec_params,
     parse_with,
@@ -35,9 +36,9 @@ from . import (
 
 # An encoder sees the parts and options exactly as in a chat request: with a uuid, vLLM reads an
 # ``input_image`` part by its ``image_url`` key, as the engine will.
-from .openai_chat import encoder_body, encoder_part, find_parts, may_hold_media
+from .openai_chat import find_parts, may_hold_media
 
-__all__ = ["SURFACE", "OpenAIResponses", "may_hold_media", "parse"]
+__all__ = ["SURFACE", "may_hold_media", "parse"]
 
 _INPUT = "input"
 _OUTPUT = "output"
@@ -122,22 +123,16 @@ def prefill_blocker(fields: Mapping[str, Any]) -> str | None:
     return None
 
 
-class OpenAIResponses:
-    """The Responses surface, for the pipeline."""
-
-    name = "responses"
-    path = p.RESPONSES_PATH
-    field = _INPUT
-    where = staticmethod(where)
-    rewrites = False
-    pins_uuids = True
-    may_hold_media = staticmethod(may_hold_media)
-    parse = staticmethod(parse)
-    encoder_part = staticmethod(encoder_part)
-    encoder_body = staticmethod(encoder_body)
-    engine_fields = staticmethod(engine_fields)
-    prefill_limits = staticmethod(prefill_limits)
-    prefill_blocker = staticmethod(prefill_blocker)
-
-
-SURFACE = OpenAIResponses()
+SURFACE = Surface(
+    path=p.RESPONSES_PATH,
+    field=_INPUT,
+    pins_uuids=True,
+    # An input item takes only the OpenAI content part types: no metadata-only references.
+    rewrites=False,
+    may_hold_media=may_hold_media,
+    parse=parse,
+    engine_fields=engine_fields,
+    prefill_limits=prefill_limits,
+    where=where,
+    prefill_blocker=prefill_blocker,
+)

@@ -1,0 +1,277 @@
+"""The encode stage of one request, step by step: its media as items (one per distinct piece, under the
+uuid the engine will see), what the reuse cache already has, an encoder for the rest, the calls, and the
+engine request with every handle in place. Each step is a method that returns what the next needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from . import selection
+from .config import EPDConfig
+from .context import RequestContext
+from .encoders import EncodeJob, EncodeOutcome, encode
+from .errors import NoHealthyUpstream
+from .handles import Handle, ItemKey, part_metadata, push_items, transfer_params
+from .logs import logger
+from .metrics import Stats
+from .plan import EncoderCall, MediaItem, media_items, plan_calls
+from .pool import ServerPool
+from .protocol import EC_ITEMS, embedding_stored
+from .reuse import HandleCache, ReuseKey, request_key
+from .scheduler import Route
+from .surfaces import ParsedRequest, Surface
+
+__all__ = ["EncodeStage", "Encoded"]
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """The engine request's fields with the handles, and what to say of it in the request's log line
+    (None when not logged)."""
+
+    fields: dict[str, Any]
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Items:
+    """The request's distinct items, the uuid of each part's item, and the identifier the engine will
+    give each item where the surface pins uuids (None: not derivable here)."""
+
+    items: tuple[MediaItem, ...]
+    uuids: tuple[str, ...]
+    expected: dict[ItemKey, str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Reused:
+    """What the reuse cache gave, and every item's reuse key (empty: reuse is off for this request)."""
+
+    handles: dict[ItemKey, Handle] = field(default_factory=dict)
+    keys: dict[ItemKey, ReuseKey] = field(default_factory=dict)
+
+
+@dataclass
+class EncodeStage:
+    """Encodes a request's media on the encoder pool (or reuses it), for the local engine."""
+
+    config: EPDConfig
+    pool: ServerPool
+    reuse: HandleCache
+    stats: Stats
+
+    async def run(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> Encoded:
+        found = self._items(surface, request, context)
+        reused = self._reused(surface, request, context, found)
+        to_encode = tuple(item for item in found.items if (item.modality, item.uuid) not in reused.handles)
+        calls = self._plan(to_encode, context.route)
+        started = time.perf_counter()
+        outcome = await encode(
+            self.pool, context.transport, self._job(surface, request, context, found, calls)
+        )
+        encoded = time.perf_counter()
+        self.stats.stage("encode", encoded - started)
+        if reused.keys:
+            self.reuse.put(reused.keys, outcome.handles)
+        fallen = self._left_to_the_engine(outcome, to_encode, calls, context)
+        handles = {**reused.handles, **outcome.handles}
+        fields = self._engine_fields(surface, request, context, found, reused, handles)
+        rewritten = time.perf_counter()
+        self.stats.stage("rewrite", rewritten - encoded)
+        if reused.handles:
+            self.stats.reused(len(reused.handles))
+        if not fallen:
+            self.stats.encoded(len(found.items), len(calls))
+        if not logger.isEnabledFor(logging.INFO):
+            return Encoded(fields)
+        used = ", ".join(sorted({call.encoder for call in calls})) or "none"
+        note = (
+            f"{len(found.items)} media item(s), {len(calls)} encoder call(s) to {used}"
+            + (f", {len(reused.handles)} reused" if reused.handles else "")
+            + f"; encode {(encoded - started) * 1000:.1f} ms"
+            + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
+            + (f"; {fallen} left to the local engine" if fallen else "")
+        )
+        return Encoded(fields, note)
+
+    def _items(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> _Items:
+        items, uuids = media_items(
+            request.media,
+            trust_client_uuid=self.config.trust_client_uuid and surface.pins_uuids,
+            salt=request.cache_salt,
+            pin_uuid=surface.pins_uuids,
+        )
+        # The identifier the engine will give each item, where the surface pins the uuid (Messages: the
+        # engine hashes the image itself, and its parts are never references): a handle under any other
+        # hash would name an embedding the engine never looks up.
+        rule = context.host.identifiers
+        expected = (
+            {
+                (item.modality, item.uuid): rule.identifier(item.modality, item.uuid, request.fields)
+                for item in items
+            }
+            if surface.pins_uuids
+            else {}
+        )
+        return _Items(items, uuids, expected)
+
+    def _reused(
+        self, surface: Surface, request: ParsedRequest, context: RequestContext, found: _Items
+    ) -> _Reused:
+        # A body read by Python's json may hold values the reuse key cannot tell apart (NaN and null):
+        # such rare bodies are encoded afresh.
+        storage = context.host.storage
+        if request.compat or self.reuse_blocker(storage, pushed=context.push_to is not None) is not None:
+            return _Reused()
+        assert storage is not None
+        common = request_key(request.fields, pins_uuids=surface.pins_uuids)
+        keys = {(item.modality, item.uuid): (item.modality, item.uuid, common) for item in found.items}
+        if context.fresh:  # the engine could not use what it was given: nothing of it again
+            self.reuse.forget(keys.values())
+            return _Reused({}, keys)
+        return _Reused(self.reuse.take(keys, storage, found.expected), keys)
+
+    def _plan(self, to_encode: tuple[MediaItem, ...], route: Route) -> tuple[EncoderCall, ...]:
+        """The calls for the items still to encode; none when no encoder is available and the policy
+        leaves them to the engine."""
+        local = self.config.on_encoder_failure == "local"
+        choices, source = self._choose(to_encode, route) if to_encode else ([], "reuse")
+        if to_encode and not choices and not local:
+            raise NoHealthyUpstream(
+                "every encoder is failing its calls; retry later", self.config.retry_after
+            )
+        self.stats.encoder_source(source if choices or not to_encode else "local")
+        return plan_calls(to_encode, choices, self.config.max_batch_size) if choices else ()
+
+    def _choose(self, items: tuple[MediaItem, ...], route: Route) -> tuple[list[tuple[str, ...]], str]:
+        """An encoder ranking per item, and who chose it (``scheduler`` or ``pool``); no rankings when no
+        encoder is available."""
+        pool, config, now = self.pool, self.config, anyio.current_time()
+        if route.encoders:
+            rankings = selection.scheduled(route.encoders, len(items), lambda url: pool.usable(url, now))
+            if rankings is not None:
+                return rankings, "scheduler"
+        encoders = pool.available(now)
+        if not encoders:
+            return [], "pool"
+        if config.encoder_selection == "round_robin":
+            return selection.round_robin(
+                encoders, pool.reserve(len(items), len(encoders)), len(items)
+            ), "pool"
+        return (
+            selection.affinity(
+                items,
+                encoders,
+                pool.in_flight_by_server(),
+                max_inflight=config.max_inflight_per_encoder,
+                max_batch_size=config.max_batch_size,
+            ),
+            "pool",
+        )
+
+    def _job(
+        self,
+        surface: Surface,
+        request: ParsedRequest,
+        context: RequestContext,
+        found: _Items,
+        calls: tuple[EncoderCall, ...],
+    ) -> EncodeJob:
+        return EncodeJob(
+            surface,
+            request,
+            calls,
+            tuple(context.call_headers(f"enc{index}") for index in range(len(calls))),
+            deadline=self.config.encode_deadline,
+            push_to=context.push_to,
+            storage=context.host.storage,
+            expected={key: value for key, value in found.expected.items() if value is not None},
+            stop_at_first_failure=self.config.on_encoder_failure != "local",
+        )
+
+    def _left_to_the_engine(
+        self,
+        outcome: EncodeOutcome,
+        to_encode: tuple[MediaItem, ...],
+        calls: tuple[EncoderCall, ...],
+        context: RequestContext,
+    ) -> int:
+        """How many items go to the engine as the media the client sent (only under the 'local'
+        policy: their calls failed, or no encoder was available)."""
+        if not outcome.failed and not (to_encode and not calls):
+            return 0
+        fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(to_encode)
+        reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
+        self.stats.fallback(fallen)
+        logger.warning(
+            "request %s: %d media item(s) left to the local engine: %s", context.request_id, fallen, reason
+        )
+        return fallen
+
+    def _engine_fields(
+        self,
+        surface: Surface,
+        request: ParsedRequest,
+        context: RequestContext,
+        found: _Items,
+        reused: _Reused,
+        handles: dict[ItemKey, Handle],
+    ) -> dict[str, Any]:
+        """The engine request: each part a reference to its embedding where the surface rewrites and
+        every part of its modality can be one, else raw with its uuid pinned; the handles in
+        ``ec_transfer_params`` (and ``ec_items`` for Mooncake push)."""
+        keys = [(part.modality, uuid) for part, uuid in zip(request.media, found.uuids, strict=True)]
+        rewrite = self.config.rewrite and surface.rewrites
+        keep_raw = request.referenced_modalities
+        if rewrite:
+            keep_raw = keep_raw | self._unconfirmed(handles, found.expected, context, reused.keys)
+        metadata = part_metadata(keys, handles, rewrite=rewrite, keep_raw=keep_raw)
+        ec_params = transfer_params(handles)
+        if context.push_to is not None:
+            ec_params[EC_ITEMS] = push_items(keys, handles)
+        return surface.engine_fields(request, found.uuids, metadata, ec_params)
+
+    def _unconfirmed(
+        self,
+        handles: Mapping[ItemKey, Handle],
+        expected: Mapping[ItemKey, str | None],
+        context: RequestContext,
+        reuse_keys: Mapping[ItemKey, ReuseKey],
+    ) -> frozenset[str]:
+        """The modalities that must stay raw because one of their handles cannot be confirmed as a
+        reference just before the engine gets it: inside vLLM (the model path known) an identifier that
+        cannot be derived here, and with storage an embedding no longer there (it was checked when its
+        call returned or when it was reused; a cleanup may have removed it while the other calls ran)."""
+        rule, storage = context.host.identifiers, context.host.storage
+        unconfirmed: set[str] = set()
+        for key, handle in handles.items():
+            if rule.model is not None and key in expected and expected[key] is None:
+                self.stats.counters["identifier_unknown_items"] += 1
+                unconfirmed.add(key[0])
+            elif storage is not None and not embedding_stored(storage, handle.mm_hash):
+                self.stats.counters["embeddings_gone_before_the_engine"] += 1
+                unconfirmed.add(key[0])
+                if key in reuse_keys:
+                    self.reuse.forget((reuse_keys[key],))
+        return frozenset(unconfirmed)
+
+    def reuse_blocker(self, storage: str | None, *, pushed: bool) -> str | None:
+        """Why media may not be taken from the reuse cache (given where embeddings are checked, and
+        whether encoders push them), or None when it may."""
+        if not self.config.reuse_handles:
+            return "off (reuse_handles=false)"
+        if pushed:
+            return "off: Mooncake push (a pushed embedding cannot be checked before it is referenced)"
+        if storage is None:
+            return (
+                "off: no embedding storage to check (only ECExampleConnector with check_embeddings "
+                "lets the middleware confirm an embedding is still there)"
+            )
+        return None

@@ -1,0 +1,311 @@
+"""The server the middleware runs in, as the middleware sees it: what the vLLM server says about itself
+(its configuration and command line, read here and nowhere else), with the options that stand in for
+it outside vLLM or override it.
+
+vLLM puts both on the app's state before the server takes requests
+(``entrypoints/launchers/api_server/app_state.py``: ``state.vllm_config``, ``state.args``); the middleware
+builds one :class:`Host` from them on the first request or lifespan event that shows them. Sources in
+vLLM 0.32 for each fact are named where it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .compat import Expectation
+from .config import EPDConfig
+from .identifiers import IdentifierRule, video_lists
+from .logs import logger
+from .media_policy import MediaPolicy
+from .protocol import DATA_PARALLEL_RANK_HEADER, EXAMPLE_EC_CONNECTOR, MOONCAKE_EC_CONNECTOR
+
+__all__ = ["Host", "MooncakeConsumers"]
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeConsumers:
+    """Where encoders push embeddings for this server: one ZMQ address per data-parallel rank it runs.
+
+    ``pin``: the server chooses among several engines, so the request must be sent to the rank whose
+    address the encoder was given (``X-data-parallel-rank``).
+    """
+
+    by_rank: dict[int, str]
+    pin: bool
+
+
+@dataclass(slots=True)
+class Host:
+    """What the middleware takes as given about the server it runs in. ``Host()`` is a server that says
+    nothing (not vLLM); tests and other servers build one directly."""
+
+    inside_vllm: bool = False
+    # Every key a request may carry: the middleware's own api_keys and vLLM's --api-key.
+    api_keys: tuple[str, ...] = ()
+    # The keys vLLM's own check takes (--api-key, else VLLM_API_KEY): what guards /v1/* besides us.
+    vllm_api_keys: tuple[str, ...] = ()
+    ec_connector: str | None = None
+    ec_role: str | None = None
+    ec_consumer: bool = False
+    kv_role: str | None = None
+    # Where the local EC connector keeps embeddings as files, when they are checked (ECExampleConnector).
+    storage: str | None = None
+    # Where encoders push this server's embeddings (Mooncake), per data-parallel rank.
+    push: MooncakeConsumers | None = None
+    # What the encoders and prefill servers must serve; None: not known, or not checked.
+    expectation: Expectation | None = None
+    # How the engine identifies media items (the hash it looks an embedding up under).
+    identifiers: IdentifierRule = field(default_factory=IdentifierRule)
+    # --allowed-media-domains and --allowed-local-media-path; None outside vLLM.
+    media_policy: MediaPolicy | None = None
+    # Routes that take embedding references or transfer parameters the middleware never reads.
+    unguarded_routes: tuple[str, ...] = ()
+    trusts_request_mm_kwargs: bool = True
+    _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
+    _next_rank: int = field(init=False, default=0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._digests = tuple(hashlib.sha256(key.encode()).digest() for key in dict.fromkeys(self.api_keys))
+
+    # Building one ----------------------------------------------------------------------------------
+
+    @classmethod
+    def outside(cls, config: EPDConfig) -> Host:
+        """No vLLM server (or one that has not said yet): only the options speak."""
+        return cls(
+            api_keys=config.api_keys,
+            storage=config.ec_storage_path if config.check_embeddings else None,
+            push=_consumer_option(config),
+            expectation=_expected_model(config),
+        )
+
+    @classmethod
+    def from_state(cls, state: object, config: EPDConfig) -> Host | None:
+        """The host of a vLLM app's state, or None where it has no vLLM configuration (yet)."""
+        vllm_config = getattr(state, "vllm_config", None)
+        if vllm_config is None:
+            return None
+        return cls.of_vllm(vllm_config, getattr(state, "args", None), config)
+
+    @classmethod
+    def of_vllm(cls, vllm_config: object, args: object = None, config: EPDConfig | None = None) -> Host:
+        """The host of a vLLM server's configuration and command line, under ``config``'s options
+        (None: the facts alone, every check on)."""
+        ec = getattr(vllm_config, "ec_transfer_config", None)
+        connector = getattr(ec, "ec_connector", None)
+        cli_keys = _cli_api_keys(args)
+        env_key = os.environ.get("VLLM_API_KEY")
+        storage = None
+        if config is None or config.check_embeddings:
+            storage = (config.ec_storage_path if config else None) or _example_connector_storage(ec)
+        expectation = None
+        if config is None or config.check_models:
+            expectation = _expectation(vllm_config) or (_expected_model(config) if config else None)
+        host = cls(
+            inside_vllm=True,
+            api_keys=(*(config.api_keys if config else ()), *cli_keys),
+            vllm_api_keys=tuple(cli_keys) or ((env_key,) if env_key else ()),
+            ec_connector=connector if isinstance(connector, str) else None,
+            ec_role=getattr(ec, "ec_role", None),
+            ec_consumer=bool(getattr(ec, "is_ec_consumer", False)),
+            kv_role=getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None),
+            storage=storage,
+            push=(_consumer_option(config) if config else None) or _mooncake_consumers(vllm_config),
+            expectation=expectation,
+            identifiers=_identifier_rule(vllm_config),
+            media_policy=_media_policy(vllm_config),
+            unguarded_routes=_unguarded_routes(args),
+            trusts_request_mm_kwargs=bool(getattr(args, "trust_request_mm_kwargs", True)),
+        )
+        if config is not None:
+            host._announce(config)
+        return host
+
+    def _announce(self, config: EPDConfig) -> None:
+        """Log once what the middleware will do because of what this server said."""
+        if self.storage:
+            logger.info("epd: checking embeddings under %s before referencing them", self.storage)
+        if self.push is not None and config.ec_consumer_zmq is None:
+            logger.info("epd: encoders push embeddings to %s", self.push.by_rank)
+        if not self.kv_consumer and config.scheduler == "llm-d":
+            logger.warning(
+                "epd: this server has no KV consumer role (kv_role %r): a scheduler's "
+                "x-prefiller-host-port is ignored and requests are prefilled here",
+                self.kv_role,
+            )
+
+    # What it says ------------------------------------------------------------------------------------
+
+    @property
+    def kv_consumer(self) -> bool:
+        """Whether this server can take a KV cache another server prefilled (``kv_consumer`` or
+        ``kv_both``); True outside vLLM, where nothing says otherwise."""
+        return not self.inside_vllm or self.kv_role in ("kv_consumer", "kv_both")
+
+    def authorizes(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        """vLLM's own rule (``AuthenticationMiddleware``): the first Authorization header, a scheme of
+        any case equal to "bearer", one space, then a key as it is; digests compared in constant time
+        against every key (no early exit: which key matched does not show in the time taken)."""
+        if not self._digests:
+            return True
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    return False
+                # As vLLM reads it: the header's Latin-1 text, hashed as UTF-8.
+                digest = hashlib.sha256(token.decode("latin-1").encode()).digest()
+                matched = False
+                for key in self._digests:
+                    matched |= hmac.compare_digest(digest, key)
+                return matched
+        return False
+
+    def push_target(self, headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, bytes | None]:
+        """Mooncake push: the address encoders push this request's embeddings to, and the data-parallel
+        rank to pin the request to so that the engine behind that address runs it (None: no pin). A
+        rank the client pinned itself is kept; otherwise, where the server runs several engines, ranks
+        are taken in turn."""
+        consumers = self.push
+        if consumers is None:
+            return None, None
+        ranks = list(consumers.by_rank)
+        for name, value in headers:
+            if name == DATA_PARALLEL_RANK_HEADER:
+                try:
+                    pinned = int(value)
+                except ValueError:
+                    break
+                if pinned in consumers.by_rank:
+                    return consumers.by_rank[pinned], None
+                break
+        if not consumers.pin:
+            return consumers.by_rank[ranks[0]], None
+        rank = ranks[self._next_rank % len(ranks)]
+        self._next_rank += 1
+        return consumers.by_rank[rank], str(rank).encode()
+
+
+def _consumer_option(config: EPDConfig) -> MooncakeConsumers | None:
+    """``ec_consumer_zmq``: one address for every request, no rank pinned."""
+    address = config.ec_consumer_zmq
+    return MooncakeConsumers({0: address}, pin=False) if address is not None else None
+
+
+def _expected_model(config: EPDConfig) -> Expectation | None:
+    model = config.expected_model
+    return Expectation(frozenset({model})) if model and config.check_models else None
+
+
+def _cli_api_keys(args: object) -> list[str]:
+    """The keys given on vLLM's command line (``--api-key``, ``nargs="+"``: a list; a plain string from
+    older versions and custom launchers is one key)."""
+    keys = getattr(args, "api_key", None) or []
+    if isinstance(keys, str):
+        keys = [keys]
+    return [key for key in keys if isinstance(key, str) and key]
+
+
+def _unguarded_routes(args: object) -> tuple[str, ...]:
+    """``--enable-scale-out`` and ``--tokens-only`` open ``/inference/v1/generate``
+    (``entrypoints/scale_out/``), whose ``features`` name embeddings by hash and whose
+    ``sampling_params.extra_args`` carry ``ec_transfer_params``."""
+    if getattr(args, "enable_scale_out", False) or getattr(args, "tokens_only", False):
+        return ("/inference/v1/generate",)
+    return ()
+
+
+def _example_connector_storage(ec: object) -> str | None:
+    """The directory where an ECExampleConnector looks for embeddings, if that is the connector
+    (``distributed/ec_transfer/ec_connector/example_connector.py``: ``<shared_storage_path>/<mm_hash>/
+    encoder_cache.safetensors``, ``shared_storage_path`` defaulting to ``/tmp``)."""
+    if ec is None or getattr(ec, "ec_connector", None) != EXAMPLE_EC_CONNECTOR:
+        return None
+    extra = getattr(ec, "ec_connector_extra_config", None) or {}
+    path = extra.get("shared_storage_path", "/tmp") if isinstance(extra, dict) else "/tmp"
+    return str(path)
+
+
+def _mooncake_consumers(vllm_config: object) -> MooncakeConsumers | None:
+    """The consumer addresses of this server's ECMooncakeConnector, if that is its connector.
+
+    ``distributed/ec_transfer/ec_connector/mooncake/config.py`` (``MooncakeECConfig.from_vllm_config``):
+    an engine's control socket listens on ``tcp://<ec_ip>:<ec_port + data_parallel_index *
+    tensor_parallel_size>``, ``data_parallel_index`` being its data-parallel rank
+    (``config/parallel.py``), and the producer pushes to the ``consumer_zmq`` of the encoder request
+    (``mooncake/scheduler.py`` ``_prepare_push_spec``). The ranks this API server runs are
+    ``data_parallel_rank`` .. ``+ data_parallel_size_local``: all of them on a single node, the node's
+    own with hybrid or external load balancing.
+    """
+    ec = getattr(vllm_config, "ec_transfer_config", None)
+    if ec is None or getattr(ec, "ec_connector", None) != MOONCAKE_EC_CONNECTOR:
+        return None
+    if getattr(ec, "ec_role", None) not in ("ec_consumer", "ec_both"):
+        return None
+    parallel = getattr(vllm_config, "parallel_config", None)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    first = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    local = getattr(parallel, "data_parallel_size_local", None)
+    count = int(local) if local else dp
+    if getattr(parallel, "data_parallel_external_lb", False):
+        count = 1
+    host, port = str(ec.ec_ip), int(ec.ec_port)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 literal, as vLLM's make_zmq_path writes it
+    by_rank = {rank: f"tcp://{host}:{port + rank * tp}" for rank in range(first, first + count)}
+    return MooncakeConsumers(by_rank, pin=dp > 1 and count > 1)
+
+
+def _expectation(vllm_config: object) -> Expectation | None:
+    """What a vLLM server serves, from its own configuration (``model_config.served_model_name``, which
+    vLLM sets to the model path when none is given, and ``model_config.model``)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return None
+    root = getattr(model_config, "model", None)
+    served = getattr(model_config, "served_model_name", None) or root
+    names = [served] if isinstance(served, str) else list(served or ())
+    names = [name for name in names if isinstance(name, str) and name]
+    if not names:
+        return None
+    return Expectation(frozenset(names), root if isinstance(root, str) and root else None)
+
+
+def _identifier_rule(vllm_config: object) -> IdentifierRule:
+    """The identifier rule of a vLLM server: model path, ``--mm-hasher-algorithm``,
+    ``--media-io-kwargs``, ``--mm-processor-kwargs``, LoRA on the tower (``model_config``)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    model = getattr(model_config, "model", None)
+    multimodal = getattr(model_config, "multimodal_config", None)
+    algorithm = getattr(multimodal, "mm_hasher_algorithm", None) or "blake3"
+    media_io: Any = getattr(multimodal, "media_io_kwargs", None) or {}
+    processor = getattr(multimodal, "mm_processor_kwargs", None) or {}
+    lora = getattr(vllm_config, "lora_config", None)
+    # With LoRA on the tower, an adapter's items are identified as "<adapter>:<hash>"
+    # (v1/engine/input_processor.py): which adapter a request runs under is the engine's to say.
+    unknown = (
+        "LoRA adapters on the vision tower" if getattr(lora, "enable_tower_connector_lora", False) else None
+    )
+    return IdentifierRule(
+        model if isinstance(model, str) and model else None,
+        str(algorithm),
+        {str(key): dict(value) for key, value in media_io.items() if isinstance(value, dict)},
+        unknown,
+        video_lists(processor),
+    )
+
+
+def _media_policy(vllm_config: object) -> MediaPolicy:
+    """``--allowed-media-domains`` and ``--allowed-local-media-path`` (``model_config``)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    domains = getattr(model_config, "allowed_media_domains", None) or ()
+    local = getattr(model_config, "allowed_local_media_path", None) or ""
+    root = Path(local).resolve() if isinstance(local, str) and local else None
+    return MediaPolicy(tuple(str(domain) for domain in domains), root)
