@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 
+from . import failover
 from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
 from .handles import Handle, ItemKey, match_reply
 from .plan import EncoderCall
@@ -99,7 +100,8 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
             return Attempt(request.body, lambda server, reply: _handles(server, call, request, reply, job))
 
         try:
-            results[index] = await pool.call(
+            results[index] = await failover.call(
+                pool,
                 transport,
                 call.encoder,
                 CHAT_COMPLETIONS_PATH,

@@ -24,7 +24,7 @@ from .metrics import Stats
 from .plan import EncoderCall, MediaItem, media_items, plan_calls
 from .pool import ServerPool
 from .protocol import EC_ITEMS, embedding_stored
-from .reuse import HandleCache, ReuseKey, request_key
+from .reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from .scheduler import Route
 from .surfaces import ParsedRequest, Surface
 
@@ -128,7 +128,11 @@ class EncodeStage:
         # A body read by Python's json may hold values the reuse key cannot tell apart (NaN and null):
         # such rare bodies are encoded afresh.
         storage = context.host.storage
-        if request.compat or self.reuse_blocker(storage, pushed=context.push_to is not None) is not None:
+        if (
+            request.compat
+            or reuse_blocker(self.config.reuse_handles, storage, pushed=context.push_to is not None)
+            is not None
+        ):
             return _Reused()
         assert storage is not None
         common = request_key(request.fields, pins_uuids=surface.pins_uuids)
@@ -261,17 +265,3 @@ class EncodeStage:
                 if key in reuse_keys:
                     self.reuse.forget((reuse_keys[key],))
         return frozenset(unconfirmed)
-
-    def reuse_blocker(self, storage: str | None, *, pushed: bool) -> str | None:
-        """Why media may not be taken from the reuse cache (given where embeddings are checked, and
-        whether encoders push them), or None when it may."""
-        if not self.config.reuse_handles:
-            return "off (reuse_handles=false)"
-        if pushed:
-            return "off: Mooncake push (a pushed embedding cannot be checked before it is referenced)"
-        if storage is None:
-            return (
-                "off: no embedding storage to check (only ECExampleConnector with check_embeddings "
-                "lets the middleware confirm an embedding is still there)"
-            )
-        return None

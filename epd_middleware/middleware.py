@@ -6,9 +6,6 @@ is an :class:`~epd_middleware.exchange.Exchange`; what it means is :mod:`epd_mid
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import anyio
 import httpx
 from pydantic import ValidationError
@@ -23,6 +20,8 @@ from .host import Host
 from .llmd import SCHEDULER_HEADERS
 from .logs import adopt_vllm_logging
 from .pipeline import Pipeline
+from .probes import probe_forever
+from .status import status_page
 from .surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .transport import HTTPClient, HttpxTransport, Transport
 
@@ -139,30 +138,7 @@ class EPDMiddleware:
         elif not host.authorizes(scope["headers"]):
             await send_error(send, Unauthorized())
         else:
-            pipeline, config = self._pipeline, self.config
-            await send_json(
-                send,
-                200,
-                {
-                    # Every API-server process has its own middleware state (--api-server-count).
-                    "pid": os.getpid(),
-                    "encoders": pipeline.encoders.snapshot(anyio.current_time()),
-                    "prefill": pipeline.prefill.snapshot(anyio.current_time()),
-                    "dns": {
-                        discovery.pool.role: discovery.snapshot()
-                        for discovery in pipeline.discoveries
-                        if discovery.dynamic
-                    },
-                    "pending_requests": pipeline.pending,
-                    "counters": dict(pipeline.counters),
-                    "embedding_storage_checked": host.storage,
-                    "client_references": _reference_status(host),
-                    "media_policy": _media_policy_status(host),
-                    "unguarded_routes": list(host.unguarded_routes),
-                    "handle_reuse": pipeline.reuse_status(host),
-                    "config": config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
-                },
-            )
+            await send_json(send, 200, status_page(self._pipeline, host))
 
     async def _startup_checks(self, scope: Scope) -> str | None:
         """Once the app started: ask every encoder and prefill server what it serves (DNS names looked
@@ -203,8 +179,8 @@ class EPDMiddleware:
                     async with anyio.create_task_group() as pools:
                         for discovery in self._pipeline.discoveries:
                             pools.start_soon(discovery.run)
-                        pools.start_soon(self._pipeline.encoders.probe_forever, transport, headers)
-                        pools.start_soon(self._pipeline.prefill.probe_forever, transport, headers)
+                        for pool in (self._pipeline.encoders, self._pipeline.prefill):
+                            pools.start_soon(probe_forever, pool, transport, headers)
 
             async def receive_opening() -> Message:
                 message = await receive()
@@ -228,36 +204,6 @@ class EPDMiddleware:
                 await self.app(scope, receive_opening, send_closing)
             finally:
                 probes.cancel()
-
-
-def _reference_status(host: Host) -> dict[str, Any]:
-    """Whether metadata-only parts a client writes itself are checked (and how far), or refused."""
-    storage, rule = host.storage, host.identifiers
-    if storage is None:
-        return {
-            "checked": False,
-            "why_not": "no embedding storage to look in (only ECExampleConnector with check_embeddings): "
-            "every such part is refused with 400",
-        }
-    return {
-        "checked": True,
-        "storage": storage,
-        "with_options": rule.derives_options,
-        "why_not_with_options": None
-        if rule.derives_options
-        else rule.unknown_because
-        or "outside vLLM the model path is not known: such parts with per-request options are refused",
-    }
-
-
-def _media_policy_status(host: Host) -> dict[str, Any] | None:
-    policy = host.media_policy
-    if policy is None:
-        return None
-    return {
-        "allowed_media_domains": list(policy.allowed_domains) or None,
-        "local_files": policy.local_root is not None,
-    }
 
 
 class _Hosts:

@@ -23,27 +23,25 @@ from typing import Any
 import anyio.abc
 
 from ._rawjson import text_of
+from .checks import check_media_policy, check_references
 from .compat import Expectation
 from .config import EPDConfig
 from .context import RequestContext
 from .discovery import Discovery
 from .encoding import EncodeStage
 from .errors import (
-    MediaRefused,
     Overloaded,
     RefusedField,
     TooManyMediaItems,
-    UnresolvableReference,
     UnwritableRequest,
 )
 from .host import Host
 from .logs import logger
-from .media_policy import MediaPolicy
 from .metrics import Stats
 from .pool import PoolPolicy, ServerPool
 from .prefill import PrefillStage
-from .protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS, embedding_stored
-from .reuse import HandleCache
+from .protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
+from .reuse import HandleCache, reuse_blocker
 from .scheduler import NO_ROUTE, Route, Scheduler
 from .surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .transport import Transport
@@ -179,9 +177,9 @@ class Pipeline:
         parts = len(request.media) + len(request.references)
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
-        self._check_references(surface, request, context)
+        check_references(surface, request, context.host, self.stats)
         if context.host.media_policy is not None:
-            await _check_media_policy(surface, request, context.host.media_policy)
+            await check_media_policy(surface, request, context.host.media_policy)
         if self.pending >= config.max_pending_requests:
             raise Overloaded(
                 f"{self.pending} requests are already waiting for encoders or prefill; retry later",
@@ -211,40 +209,6 @@ class Pipeline:
             raise UnwritableRequest from None
         finally:
             self.pending -= 1
-
-    def _check_references(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> None:
-        """Every metadata-only part the client wrote itself must name an embedding this server has,
-        under the identifier the engine will derive: a missing one kills vLLM's engine core. Where the
-        middleware cannot confirm it (no storage it can look in, options it cannot follow), it is
-        refused."""
-        storage = context.host.storage
-        for reference in request.references:
-            where = f"the {reference.kind} part at {surface.where(reference.location)}"
-            if reference.uuid is None:
-                raise UnresolvableReference(
-                    f"{where} has no uuid: vLLM could not tell which embedding it means", param=surface.field
-                )
-            if storage is None:
-                raise UnresolvableReference(
-                    f"{where} refers to an embedding this server cannot confirm it has (its EC connector "
-                    "keeps none the middleware can look at); send the media itself",
-                    param=surface.field,
-                )
-            identifier = context.host.identifiers.identifier(
-                reference.modality, reference.uuid, request.fields
-            )
-            if identifier is None:
-                raise UnresolvableReference(
-                    f"{where} refers to an embedding whose identifier under this request's options cannot "
-                    "be derived here; send the media itself",
-                    param=surface.field,
-                )
-            if not embedding_stored(storage, identifier):
-                self.stats.request("reference_refused")
-                raise UnresolvableReference(
-                    f"{where} refers to embedding {identifier[:80]!r}, which this server does not have",
-                    param=surface.field,
-                )
 
     # After the engine --------------------------------------------------------------------------------
 
@@ -286,7 +250,7 @@ class Pipeline:
     def reuse_status(self, host: Host) -> dict[str, Any]:
         """Whether media is reused (the answer for a request on this server without a pinned Mooncake
         rank), why not when it is not, and the cache's figures."""
-        blocker = self._encode.reuse_blocker(host.storage, pushed=host.push is not None)
+        blocker = reuse_blocker(self.config.reuse_handles, host.storage, pushed=host.push is not None)
         cache = self.reuse
         return {
             "enabled": blocker is None,
@@ -319,17 +283,6 @@ def _scannable(body: bytes) -> bool:
 
 
 _UTF8 = frozenset({"utf-8", "utf-8-sig"})
-
-
-async def _check_media_policy(surface: Surface, request: ParsedRequest, policy: MediaPolicy) -> None:
-    """What this server's own media policy refuses is refused here, before an encoder fetches it."""
-    for media in request.media:
-        url = media.url
-        if url is None:
-            continue
-        refusal = await policy.refusal(url)
-        if refusal is not None:
-            raise MediaRefused(refusal, param=surface.field)
 
 
 def refused_transfer_field(fields: Mapping[str, Any], *, owns_kv: bool, prefilled: bool) -> None:

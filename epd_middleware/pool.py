@@ -1,12 +1,13 @@
 """A pool of remote vLLM servers of one role (encoders, prefill servers): who is in it, how healthy each
-is, which to try next, and how a call fails over.
+is, and which to try next.
 
 It owns what every pool needs and nothing about what the calls carry: its members (set by
 :mod:`.discovery`), the round-robin cursor, passive health (consecutive failures eject a server for a
-cool-down that doubles while it keeps failing), active health probes, and failover of a failed call to
-another server. One try of a call is :func:`.upstream.post_once`; whether a server serves this server's
-model is the pool's :class:`~.compat.ModelGate`. The encoder and prefill stages build the bodies and read
-the replies; :mod:`.selection` and :mod:`.scheduler` say which servers a call should try.
+cool-down that doubles while it keeps failing) and each server's capacity. How a call fails over is
+:mod:`.failover`, one try of it :mod:`.upstream`, active health :mod:`.probes`; whether a server serves
+this server's model is the pool's :class:`~.compat.ModelGate`. The encoder and prefill stages build the
+bodies and read the replies; :mod:`.selection` and :mod:`.scheduler` say which servers a call should
+try.
 
 Calls may also go to servers that are not members (a scheduler named them): they get health and limits
 like members, and are forgotten once idle.
@@ -14,24 +15,17 @@ like members, and are forgotten once idle.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import anyio
+from typing import Any
 
 from .addresses import url_host_port
 from .compat import UNUSABLE, ModelGate
-from .errors import UpstreamError, UpstreamUnavailable
 from .logs import logger
 from .metrics import Stats
-from .transport import HTTPError, Transport, UnsendableRequest
-from .upstream import Attempt, Capacity, DeadlinePassed, post_once
+from .upstream import Capacity
 
 __all__ = ["OTHER_SERVERS", "PoolPolicy", "ServerPool"]
-
-T = TypeVar("T")
 
 # The metrics label of servers outside the pool (named by a scheduler header).
 OTHER_SERVERS = "other"
@@ -232,114 +226,8 @@ class ServerPool:
             for url, health in self._health.items()
         }
 
-    async def probe(self, transport: Transport, headers: Mapping[str, str]) -> None:
-        """GET /health on every server once, concurrently; brings recovered servers back."""
-
-        async def one(url: str) -> None:
-            try:
-                with anyio.fail_after(self.policy.health_check_timeout):
-                    status, _ = await transport.request("GET", f"{url}/health", headers=headers)
-                ok = status == 200
-                reason = f"health check HTTP {status}"
-            except TimeoutError:
-                ok, reason = False, "health check timed out"
-            except (HTTPError, UnsendableRequest) as exc:
-                ok, reason = False, f"health check failed: {exc.reason}"
-            if ok:
-                self.record_success(url)
-            else:
-                self.record_failure(url, anyio.current_time(), reason)
-
-        async with anyio.create_task_group() as group:
-            for url in self.members:
-                group.start_soon(one, url)
-        if self.models.expectation is not None:
-            await self.models.check(transport, (), headers, recheck=True)
-
-    async def probe_forever(self, transport: Transport, headers: Mapping[str, str]) -> None:
-        interval = self.policy.health_check_interval
-        if interval <= 0:
-            return
-        while True:
-            await anyio.sleep(interval)
-            if self.members:
-                await self.probe(transport, headers)
-
-    # Calls -------------------------------------------------------------------------------------------
-
-    def _label(self, url: str) -> str:
+    def label(self, url: str) -> str:
         """The server's label in metrics: its URL for members, one shared value for the rest. A client
         can name any target the allowlist admits (a whole network), and a series per target would grow
         without bound (in every API-server process's files, with ``PROMETHEUS_MULTIPROC_DIR``)."""
         return url if url in self._member_set else OTHER_SERVERS
-
-    async def call(
-        self,
-        transport: Transport,
-        first: str,
-        path: str,
-        attempt: Callable[[], Attempt[T]],
-        headers: Mapping[str, str],
-        preferred: Sequence[str] = (),
-        deadline: float | None = None,
-    ) -> T:
-        """POST to ``first``, then to other servers while the call fails in a way another server may not
-        (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
-        rejection of the request itself is raised at once; the last failure is raised when no server is
-        left; :class:`~.upstream.DeadlinePassed` once ``deadline`` (event-loop time) has passed, whatever
-        the attempt."""
-        tried: list[str] = []
-        server: str | None = first
-        last: UpstreamError | None = None
-        while server is not None and len(tried) < self.policy.max_attempts:
-            if deadline is not None and anyio.current_time() >= deadline:
-                raise DeadlinePassed
-            tried.append(server)
-            if not await self.models.admits(transport, server, deadline):
-                # Not the server's failure: it is not one of ours (another model, or it did not say).
-                health = self._health.get(server)
-                served = health.served if health is not None else ""
-                last = UpstreamUnavailable(
-                    server, f"not used: {served or 'it did not say what it serves'}", role=self.role
-                )
-                server = self.failover_target(tried, anyio.current_time(), preferred)
-                continue
-            label = self._label(server)
-            started = time.perf_counter()
-            try:
-                this = attempt()
-                reply = await post_once(
-                    transport,
-                    server,
-                    path,
-                    this.body,
-                    headers,
-                    role=self.role,
-                    label=label,
-                    capacity=self.record(server).capacity,
-                    call_timeout=self.policy.timeout,
-                    deadline=deadline,
-                    stats=self.stats,
-                )
-                result = this.read(server, reply)
-            except UpstreamError as exc:
-                self.stats.call(self.role, label, exc.outcome, time.perf_counter() - started)
-                if not exc.retryable:
-                    raise
-                last = exc
-                now = anyio.current_time()
-                self.record_failure(server, now, exc.reason)
-                server = self.failover_target(tried, now, preferred)
-                if server is not None:
-                    self.stats.failover(self.role, label)
-                logger.warning(
-                    "%s%s",
-                    exc.message,
-                    f"; retrying on {server}" if server else f"; no {self.role} left to try",
-                )
-                continue
-            self.stats.call(self.role, label, "ok", time.perf_counter() - started)
-            self.record_success(server)
-            return result
-        assert last is not None
-        raise last

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from . import failover
 from .config import EPDConfig
 from .context import RequestContext
 from .errors import NoHealthyUpstream, UpstreamBadReply, UpstreamError
@@ -124,8 +125,8 @@ async def prefill(
         raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
     body = outgoing_body(prefill_fields(fields, surface), compat=compat)
-    return await pool.call(
-        transport, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
+    return await failover.call(
+        pool, transport, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
     )
 
 

@@ -27,7 +27,7 @@ import msgspec
 from .handles import Handle, ItemKey
 from .protocol import CACHE_SALT, MODEL, embedding_stored
 
-__all__ = ["HandleCache", "ReuseKey", "request_key"]
+__all__ = ["HandleCache", "ReuseKey", "request_key", "reuse_blocker"]
 
 # (modality, uuid, the request's canonical embedding-relevant fields)
 ReuseKey = tuple[str, str, bytes]
@@ -42,6 +42,21 @@ def request_key(fields: Mapping[str, Any], *, pins_uuids: bool) -> bytes:
     hash for the same media), and canonical JSON of the fields that can change an embedding (absent and
     null are the same)."""
     return _canonical([pins_uuids, *(fields.get(name) for name in _EMBEDDING_FIELDS)])
+
+
+def reuse_blocker(enabled: bool, storage: str | None, *, pushed: bool) -> str | None:
+    """Why media may not be taken from the reuse cache (``enabled``: ``reuse_handles``; where
+    embeddings are checked, and whether encoders push them), or None when it may."""
+    if not enabled:
+        return "off (reuse_handles=false)"
+    if pushed:
+        return "off: Mooncake push (a pushed embedding cannot be checked before it is referenced)"
+    if storage is None:
+        return (
+            "off: no embedding storage to check (only ECExampleConnector with check_embeddings "
+            "lets the middleware confirm an embedding is still there)"
+        )
+    return None
 
 
 @dataclass

@@ -16,6 +16,7 @@ import pytest
 from epd_middleware import EPDMiddleware
 from epd_middleware.compat import Expectation
 from epd_middleware.host import Host
+from epd_middleware.probes import probe
 
 from .fakes import MODEL, FakeEncoders, FakeEngine, FakePrefill, chat_body, image, upstream_client
 from .test_middleware import png, post
@@ -108,7 +109,7 @@ async def test_an_unreachable_server_is_left_out_and_taken_back_once_it_answers(
     assert {call.encoder for call in encoders.calls} == {E0}
     assert (await status_of(app))["encoders"][E1]["model"]["state"] == "unreachable"
     encoders.mode[E1] = "ok"
-    await app.pipeline.encoders.probe(encoders_transport(encoders), {})  # what the lifespan's probe does
+    await probe(app.pipeline.encoders, encoders_transport(encoders), {})  # what the lifespan's probe does
     for seed in range(3, 7):
         assert (await post(app, chat_body(image(png(seed))))).status_code == 200
     assert E1 in {call.encoder for call in encoders.calls}

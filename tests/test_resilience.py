@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
+from epd_middleware.probes import probe
 from epd_middleware.transport import HttpxTransport
 
 from .fakes import (
@@ -106,7 +107,7 @@ async def test_consecutive_failures_eject_an_encoder_and_cooldown_grows() -> Non
     assert 0.3 < pool.snapshot(anyio.current_time())[E1]["ejected_for_s"] <= 0.6
 
     encoders.mode[E1] = "ok"  # E1 recovers; a health probe brings it back at once
-    await pool.probe(HttpxTransport(encoders.client()), {})
+    await probe(pool, HttpxTransport(encoders.client()), {})
     assert pool.snapshot(anyio.current_time())[E1]["healthy"] is True
 
 

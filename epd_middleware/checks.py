@@ -1,0 +1,57 @@
+"""What is refused before any encoder or prefill call: metadata-only parts a client wrote that name an
+embedding this server cannot confirm it has, and media this server's own policy would not load."""
+
+from __future__ import annotations
+
+from .errors import MediaRefused, UnresolvableReference
+from .host import Host
+from .media_policy import MediaPolicy
+from .metrics import Stats
+from .protocol import embedding_stored
+from .surfaces import ParsedRequest, Surface
+
+__all__ = ["check_media_policy", "check_references"]
+
+
+def check_references(surface: Surface, request: ParsedRequest, host: Host, stats: Stats) -> None:
+    """Every metadata-only part the client wrote itself must name an embedding this server has,
+    under the identifier the engine will derive: a missing one kills vLLM's engine core. Where the
+    middleware cannot confirm it (no storage it can look in, options it cannot follow), it is
+    refused."""
+    storage = host.storage
+    for reference in request.references:
+        where = f"the {reference.kind} part at {surface.where(reference.location)}"
+        if reference.uuid is None:
+            raise UnresolvableReference(
+                f"{where} has no uuid: vLLM could not tell which embedding it means", param=surface.field
+            )
+        if storage is None:
+            raise UnresolvableReference(
+                f"{where} refers to an embedding this server cannot confirm it has (its EC connector "
+                "keeps none the middleware can look at); send the media itself",
+                param=surface.field,
+            )
+        identifier = host.identifiers.identifier(reference.modality, reference.uuid, request.fields)
+        if identifier is None:
+            raise UnresolvableReference(
+                f"{where} refers to an embedding whose identifier under this request's options cannot "
+                "be derived here; send the media itself",
+                param=surface.field,
+            )
+        if not embedding_stored(storage, identifier):
+            stats.request("reference_refused")
+            raise UnresolvableReference(
+                f"{where} refers to embedding {identifier[:80]!r}, which this server does not have",
+                param=surface.field,
+            )
+
+
+async def check_media_policy(surface: Surface, request: ParsedRequest, policy: MediaPolicy) -> None:
+    """What this server's own media policy refuses is refused here, before an encoder fetches it."""
+    for media in request.media:
+        url = media.url
+        if url is None:
+            continue
+        refusal = await policy.refusal(url)
+        if refusal is not None:
+            raise MediaRefused(refusal, param=surface.field)
