@@ -26,10 +26,10 @@ import httpx
 
 from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
-from epd_middleware.handles import match_reply, part_metadata, transfer_params
-from epd_middleware.plan import media_items
-from epd_middleware.surfaces import encode_fields
-from epd_middleware.surfaces import openai_chat as chat
+from epd_middleware._handles import match_reply, part_metadata, transfer_params
+from epd_middleware._plan import media_items
+from epd_middleware._surfaces import encode_fields
+from epd_middleware._surfaces import openai_chat as chat
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "perf" / "api_server_cpu.json"
 

@@ -45,11 +45,11 @@ import anyio
 
 from epd_lab.servers import free_port
 from epd_middleware import EPDMiddleware
+from epd_middleware._handles import part_metadata, transfer_params
 from epd_middleware._http import HTTPClient
-from epd_middleware.handles import part_metadata, transfer_params
-from epd_middleware.plan import media_items
-from epd_middleware.surfaces import encode_fields
-from epd_middleware.surfaces import openai_chat as chat
+from epd_middleware._plan import media_items
+from epd_middleware._surfaces import encode_fields
+from epd_middleware._surfaces import openai_chat as chat
 
 ROOT = Path(__file__).resolve().parent.parent
 # glibc malloc told to keep freed memory rather than give it back to the system: multi-MB request bodies
@@ -116,7 +116,7 @@ async def prepare_direct(case: Case, encoder: str, client: HTTPClient) -> None:
     case.encoder_body = b"".join(chat.SURFACE.encoder_body(request, [item.part for item in items]))
     status, reply = await client.request("POST", f"{encoder}/v1/chat/completions", case.encoder_body)
     assert status == 200, reply
-    from epd_middleware.handles import match_reply
+    from epd_middleware._handles import match_reply
 
     handles = match_reply(encoder, items, json.loads(reply)["ec_transfer_params"])
     keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]

@@ -23,12 +23,12 @@ from typing import Any
 
 import anyio
 
+from ._compat import Expectation, check_models
+from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
-from .compat import Expectation, check_models
+from ._metrics import Stats
+from ._pool import PoolPolicy, ServerPool
 from .config import EPDConfig
-from .discovery import Discovery
-from .metrics import Stats
-from .pool import PoolPolicy, ServerPool
 from .transport import Transport
 
 __all__ = ["ServerReport", "check_fleet", "main"]

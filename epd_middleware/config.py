@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from .addresses import parse_allowlist, parse_nameserver
+from ._addresses import parse_allowlist, parse_nameserver
 
 __all__ = ["ENV_PREFIX", "EPDConfig", "EPDOptions"]
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compat import Expectation
+from ._compat import Expectation
+from ._identifiers import IdentifierRule, video_lists
+from ._logs import logger
+from ._media_policy import MediaPolicy
+from ._protocol import DATA_PARALLEL_RANK_HEADER, EXAMPLE_EC_CONNECTOR, MOONCAKE_EC_CONNECTOR
 from .config import EPDConfig
-from .identifiers import IdentifierRule, video_lists
-from .logs import logger
-from .media_policy import MediaPolicy
-from .protocol import DATA_PARALLEL_RANK_HEADER, EXAMPLE_EC_CONNECTOR, MOONCAKE_EC_CONNECTOR
 
 __all__ = ["Host", "MooncakeConsumers"]
 
@@ -86,12 +86,15 @@ class Host:
         )
 
     @classmethod
-    def from_state(cls, state: object, config: EPDConfig) -> Host | None:
-        """The host of a vLLM app's state, or None where it has no vLLM configuration (yet)."""
+    def from_state(
+        cls, state: object, config: EPDConfig | None = None, *, args: object = None
+    ) -> Host | None:
+        """The host of a vLLM app's state (``args``: its command line, where not on the state), or None
+        where it has no vLLM configuration (yet)."""
         vllm_config = getattr(state, "vllm_config", None)
         if vllm_config is None:
             return None
-        return cls.of_vllm(vllm_config, getattr(state, "args", None), config)
+        return cls.of_vllm(vllm_config, args if args is not None else getattr(state, "args", None), config)
 
     @classmethod
     def of_vllm(cls, vllm_config: object, args: object = None, config: EPDConfig | None = None) -> Host:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._logs import adopt_vllm_logging, logger
+from ._middleware import EPDMiddleware
 from .config import EPDConfig
 from .host import Host
-from .logs import adopt_vllm_logging, logger
-from .middleware import EPDMiddleware
 
 __all__ = ["EPDPlugin", "check_keys", "check_server", "plugin"]
 
@@ -51,8 +51,7 @@ class EPDPlugin:
         )
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        vllm_config = getattr(state, "vllm_config", None)
-        host = Host.of_vllm(vllm_config, args) if vllm_config is not None else None
+        host = Host.from_state(state, args=args)
         check_server(host, self.config)
         if host is None:
             return

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from epd_middleware import EPDMiddleware
-from epd_middleware.compat import Expectation
+from epd_middleware._compat import Expectation
+from epd_middleware._probes import probe
 from epd_middleware.host import Host
-from epd_middleware.probes import probe
 
 from .fakes import MODEL, FakeEncoders, FakeEngine, FakePrefill, chat_body, image, upstream_client
 from .test_middleware import png, post

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from epd_middleware import EPDConfig
-from epd_middleware.metrics import _Prometheus
+from epd_middleware._metrics import _Prometheus
 
 # What llm-d reads of the manifests: the tests' knowledge (the package never reads a manifest).
 # Pod label that tells the endpoint picker's filters (encode-filter, prefill-filter, decode-filter)
@@ -264,7 +264,7 @@ def test_llm_d_overlays_wire_the_pool_the_picker_and_the_middleware(
 
 
 def _Prometheus_instance() -> _Prometheus:
-    from epd_middleware.metrics import _metrics
+    from epd_middleware._metrics import _metrics
 
     metrics = _metrics()
     assert metrics is not None

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
+from epd_middleware._identifiers import hash_kwargs
+from epd_middleware._plan import content_uuid
 from epd_middleware.host import Host
-from epd_middleware.identifiers import hash_kwargs
-from epd_middleware.plan import content_uuid
 from epd_middleware.vllm_plugin import EPDPlugin, check_keys
 
 from .fakes import FakeEncoders, FakeEngine, FakePrefill, build_app, chat_body, image, scripted_receive
@@ -421,7 +421,7 @@ async def test_a_header_naming_thousands_of_targets_is_read_only_as_far_as_media
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Before: every entry was parsed and de-duplicated by list: quadratic, 130 ms for one 59 KB header."""
-    from epd_middleware import scheduler
+    from epd_middleware import _scheduler as scheduler
 
     parsed: list[str] = []
     real = scheduler.split_host_port

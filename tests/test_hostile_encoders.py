@@ -14,8 +14,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from epd_middleware import EPDMiddleware
-from epd_middleware.identifiers import hash_kwargs
-from epd_middleware.pool import OTHER_SERVERS
+from epd_middleware._identifiers import hash_kwargs
+from epd_middleware._pool import OTHER_SERVERS
 
 from .fakes import FakeEncoders, FakeEngine, app_with_encoder_handler, chat_body, image, models_answer
 from .test_hostile_clients import MODEL_PATH, inside_vllm, post, vllm_state

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from epd_middleware._identifiers import IdentifierRule, hash_kwargs
 from epd_middleware.host import Host
-from epd_middleware.identifiers import IdentifierRule, hash_kwargs
 
 # (model path, hasher, modality, uuid, request fields, server --media-io-kwargs, what vLLM derives)
 GOLDEN: list[tuple[str, str, str, str, dict[str, Any], dict[str, Any], str]] = [

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
-from epd_middleware.plan import content_uuid
+from epd_middleware._plan import content_uuid
 
 from .fakes import (
     DEFAULT_GRID,
@@ -689,7 +689,7 @@ async def test_nixl_and_cpu_connector_handles_reach_the_engine_whole_under_the_r
 def test_generated_request_ids_are_unique_and_drawn_anew_in_a_forked_child(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from epd_middleware import exchange as module
+    from epd_middleware import _exchange as module
 
     ids = {module._new_request_id() for _ in range(1000)}
     assert len(ids) == 1000

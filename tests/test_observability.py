@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from epd_middleware.metrics import Stats
+from epd_middleware._metrics import Stats
 
 from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
 from .test_middleware import png, post
@@ -162,7 +162,7 @@ def test_metrics_aggregate_across_api_server_processes(tmp_path: Path) -> None:
     /metrics sums them (counters, in-flight) or takes the minimum (health)."""
     script = textwrap.dedent(
         f"""
-        from epd_middleware.metrics import Stats
+        from epd_middleware._metrics import Stats
         stats = Stats()
         stats.request("encoded")
         stats.health("encoder", "{E0}", {{healthy}})

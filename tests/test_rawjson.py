@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_middleware import _rawjson
-from epd_middleware.plan import content_uuid
+from epd_middleware._plan import content_uuid
 
 LONG = _rawjson.LONG_STRING + 10
 

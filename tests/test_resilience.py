@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
-from epd_middleware.probes import probe
+from epd_middleware._probes import probe
 from epd_middleware.transport import HttpxTransport
 
 from .fakes import (

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from epd_middleware import EPDMiddleware, selection
-from epd_middleware.plan import MediaItem, content_uuid, plan_calls
+from epd_middleware import EPDMiddleware
+from epd_middleware import _selection as selection
+from epd_middleware._plan import MediaItem, content_uuid, plan_calls
 
 from .fakes import FakeEncoders, FakeEngine, chat_body, image, upstream_client
 from .test_middleware import OPTIONS, png, post
@@ -345,8 +346,8 @@ async def test_an_image_seen_on_messages_is_encoded_again_for_chat_and_the_other
 
 
 def test_a_cached_handle_under_another_identifier_than_the_engines_is_dropped(tmp_path: Path) -> None:
-    from epd_middleware.handles import Handle
-    from epd_middleware.reuse import HandleCache
+    from epd_middleware._handles import Handle
+    from epd_middleware._reuse import HandleCache
 
     cache = HandleCache(8)
     for name in ("u", "other"):

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from epd_middleware import EPDMiddleware
-from epd_middleware.addresses import parse_allowlist, split_host_port
-from epd_middleware.llmd import header_values
+from epd_middleware._addresses import parse_allowlist, split_host_port
+from epd_middleware._llmd import header_values
 
 from .fakes import FakeEncoders, FakeEngine, FakePrefill, chat_body, image, upstream_client
 from .test_topologies import png, post

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from epd_middleware import EPDMiddleware
+from epd_middleware._protocol import PREFILL_KV_TRANSFER_PARAMS
 from epd_middleware.host import Host
-from epd_middleware.protocol import PREFILL_KV_TRANSFER_PARAMS
 
 from .fakes import (
     MODEL,

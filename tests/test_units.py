@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from epd_middleware import EPDConfig, EPDMiddleware, UpstreamBadReply, selection
-from epd_middleware.handles import Handle, match_reply, part_metadata, transfer_params
-from epd_middleware.plan import EncoderCall, MediaItem, content_uuid, plan_calls
-from epd_middleware.surfaces import ParsedRequest, encode_fields, forwarded_options
-from epd_middleware.surfaces import openai_chat as chat
+from epd_middleware import EPDConfig, EPDMiddleware, UpstreamBadReply
+from epd_middleware import _selection as selection
+from epd_middleware._handles import Handle, match_reply, part_metadata, transfer_params
+from epd_middleware._plan import EncoderCall, MediaItem, content_uuid, plan_calls
+from epd_middleware._surfaces import ParsedRequest, encode_fields, forwarded_options
+from epd_middleware._surfaces import openai_chat as chat
 
 E0, E1, E2 = "http://enc-0:8001", "http://enc-1:8001", "http://enc-2:8001"
 
@@ -267,7 +268,7 @@ def test_plan_sends_audio_and_video_alone() -> None:
 
 
 def test_pool_cursor_spreads_single_item_requests_evenly() -> None:
-    from epd_middleware.pool import PoolPolicy, ServerPool
+    from epd_middleware._pool import PoolPolicy, ServerPool
 
     config = EPDConfig(encoders=(E0, E1, E2))
     pool = ServerPool("encoder", PoolPolicy(config.encoder_timeout))

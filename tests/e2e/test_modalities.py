@@ -14,7 +14,7 @@ import pytest
 
 from epd_lab import servers as lab
 from epd_lab.seed import seed_image
-from epd_middleware.plan import content_uuid
+from epd_middleware._plan import content_uuid
 
 from .conftest import API_KEY, AUDIO_MODEL, Deployment
 from .test_vllm_e2e import assert_fails, assert_same, chat, record, served_requests

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_request
-from epd_middleware.identifiers import IdentifierRule
+from epd_middleware._identifiers import IdentifierRule
 
 from .conftest import Deployment
 from .test_vllm_e2e import AUTH, MODEL, assert_same, chat, image, record, served_requests

@@ -13,8 +13,8 @@ import pytest
 
 from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, PROMPT, seed_image, seed_request
-from epd_middleware import selection
-from epd_middleware.plan import MediaItem, content_uuid, plan_calls
+from epd_middleware import _selection as selection
+from epd_middleware._plan import MediaItem, content_uuid, plan_calls
 
 from .conftest import API_KEY, Deployment
 

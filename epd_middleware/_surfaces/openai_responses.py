@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epd_middleware import protocol as p
+from epd_middleware import _protocol as p
 
 from . import (
     MediaPart,

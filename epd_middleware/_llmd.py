@@ -1,4 +1,4 @@
-"""What the middleware knows of llm-d's wire protocol and labels, in one place (as :mod:`.protocol` is for
+"""What the middleware knows of llm-d's wire protocol and labels, in one place (as :mod:`._protocol` is for
 vLLM's).
 
 Sources in llm-d/llm-d-router: ``pkg/common/routing/common.go`` (header names), ``pkg/epp/framework/
@@ -8,7 +8,7 @@ profile, each as ``net.JoinHostPort``: ``ip:port``, IPv6 as ``[addr]:port``), ``
 (the routing sidecar reads one header line or several, splits a single line on ",", trims each entry,
 takes the first prefill target, and deletes these headers before the model server sees the request).
 The gateway does not remove them from a client's request (the endpoint picker only sets headers), so a
-client can send them: every target must pass the allowlist (:mod:`.scheduler`).
+client can send them: every target must pass the allowlist (:mod:`._scheduler`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import anyio
 
-from .pool import ServerPool
+from ._pool import ServerPool
 from .transport import HTTPError, Transport, UnsendableRequest
 
 __all__ = ["probe", "probe_forever"]

@@ -26,10 +26,10 @@ import dns.nameserver
 import dns.resolver
 import sniffio
 
-from .addresses import parse_nameserver
-from .logs import logger
-from .metrics import Stats
-from .pool import ServerPool
+from ._addresses import parse_nameserver
+from ._logs import logger
+from ._metrics import Stats
+from ._pool import ServerPool
 
 __all__ = ["Discovery", "DnsName"]
 

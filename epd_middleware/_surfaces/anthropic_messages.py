@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from epd_middleware import protocol as p
+from epd_middleware import _protocol as p
 from epd_middleware._rawjson import raw_text, text_of
 
 from . import MediaPart, ParsedRequest, Raw, Surface, Unusable, checked_messages, parse_with, with_handles

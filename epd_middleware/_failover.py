@@ -1,5 +1,5 @@
 """How one call fails over among the servers of a pool: the first server, then others while the call
-fails in a way another server may not, each try made by :func:`.upstream.post_once` and recorded in the
+fails in a way another server may not, each try made by :func:`._upstream.post_once` and recorded in the
 pool's health.
 """
 
@@ -11,11 +11,11 @@ from typing import TypeVar
 
 import anyio
 
+from ._logs import logger
+from ._pool import ServerPool
+from ._upstream import Attempt, DeadlinePassed, post_once
 from .errors import UpstreamError, UpstreamUnavailable
-from .logs import logger
-from .pool import ServerPool
 from .transport import Transport
-from .upstream import Attempt, DeadlinePassed, post_once
 
 __all__ = ["call"]
 
@@ -35,7 +35,7 @@ async def call(
     """POST to ``first``, then to other servers while the call fails in a way another server may not
     (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
     rejection of the request itself is raised at once; the last failure is raised when no server is
-    left; :class:`~.upstream.DeadlinePassed` once ``deadline`` (event-loop time) has passed, whatever
+    left; :class:`~._upstream.DeadlinePassed` once ``deadline`` (event-loop time) has passed, whatever
     the attempt. ``attempt`` makes each try afresh (its body, and how its answer is read)."""
     role, stats = pool.role, pool.stats
     tried: list[str] = []

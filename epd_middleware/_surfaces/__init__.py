@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
+from epd_middleware import _protocol as p
 from epd_middleware import _rawjson
-from epd_middleware import protocol as p
 from epd_middleware._http import Body
 from epd_middleware._rawjson import Raw, text_of
 from epd_middleware.errors import UnreadableRequest

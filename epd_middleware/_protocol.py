@@ -9,7 +9,7 @@ Sources in vLLM: ``renderers/chat_utils.py`` (content parts, the uuid rule, the 
 ``distributed/kv_transfer/kv_connector/v1/`` (the P/D ``kv_transfer_params``),
 ``distributed/ec_transfer/ec_connector/mooncake/`` (Mooncake push: ``consumer_zmq``, ``ec_items``).
 Where media sits in each request surface (chat completions, Anthropic Messages) is the business of that
-surface's adapter in :mod:`epd_middleware.surfaces`.
+surface's adapter in :mod:`epd_middleware._surfaces`.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@ embedding this server cannot confirm it has, and media this server's own policy 
 
 from __future__ import annotations
 
+from ._media_policy import MediaPolicy
+from ._metrics import Stats
+from ._protocol import embedding_stored
+from ._surfaces import ParsedRequest, Surface
 from .errors import MediaRefused, UnresolvableReference
 from .host import Host
-from .media_policy import MediaPolicy
-from .metrics import Stats
-from .protocol import embedding_stored
-from .surfaces import ParsedRequest, Surface
 
 __all__ = ["check_media_policy", "check_references"]
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ._plan import MediaItem
+from ._protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ITEM_INDICES, METADATA
 from .errors import UpstreamBadReply
-from .plan import MediaItem
-from .protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ITEM_INDICES, METADATA
 
 __all__ = [
     "Handle",

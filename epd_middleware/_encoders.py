@@ -1,7 +1,7 @@
 """The encoder calls of one request: planned calls in, handles (or typed errors) out.
 
 Every call goes to the encoder the plan chose and fails over within the encoder pool
-(:mod:`epd_middleware.pool`); all calls of a request run concurrently within its encode deadline. Each
+(:mod:`epd_middleware._pool`); all calls of a request run concurrently within its encode deadline. Each
 call catches its own failure; the caller decides (fallback policy) what a failed call means for the
 request.
 """
@@ -16,12 +16,11 @@ from typing import Any
 
 import anyio
 
-from . import failover
-from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
-from .handles import Handle, ItemKey, match_reply
-from .plan import EncoderCall
-from .pool import ServerPool
-from .protocol import (
+from . import _failover as failover
+from ._handles import Handle, ItemKey, match_reply
+from ._plan import EncoderCall
+from ._pool import ServerPool
+from ._protocol import (
     CHAT_COMPLETIONS_PATH,
     EC_CONSUMER_ZMQ,
     EC_ITEM_TRANSFER_ID,
@@ -30,9 +29,10 @@ from .protocol import (
     embedding_stored,
     example_connector_file,
 )
-from .surfaces import ParsedRequest, Surface
+from ._surfaces import ParsedRequest, Surface
+from ._upstream import Attempt, DeadlinePassed
+from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
 from .transport import Body, Transport
-from .upstream import Attempt, DeadlinePassed
 
 __all__ = ["EncodeJob", "EncodeOutcome", "EncoderRequest", "encode"]
 
@@ -125,7 +125,7 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
 
     if not calls:  # everything reused, or no encoder (the local policy): nothing to wait for
         return EncodeOutcome({})
-    # Each call carries the deadline into its own cancel scope (upstream.py) rather than one more scope
+    # Each call carries the deadline into its own cancel scope (_upstream.py) rather than one more scope
     # around them all here.
     ends = anyio.current_time() + job.deadline
     if len(calls) == 1:

@@ -16,13 +16,13 @@ import anyio.lowlevel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._asgi import first_header, replay, send_error
+from ._logs import logger
+from ._pipeline import Pipeline
+from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
+from ._scheduler import NO_ROUTE, Route
+from ._surfaces import ParsedRequest, Surface
 from .errors import BodyTooLarge, EPDError, Unauthorized
 from .host import Host
-from .logs import logger
-from .pipeline import Pipeline
-from .protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
-from .scheduler import NO_ROUTE, Route
-from .surfaces import ParsedRequest, Surface
 from .transport import Transport
 
 __all__ = ["Exchange"]

@@ -1,6 +1,6 @@
 """One call to one server, as the pool's failover makes it: the capacity it waits for, one bound for its
 own timeout and the caller's deadline, what the answer's status means, the answer decoded, and the
-answer bound to its request. No choice of server and no health here: :mod:`.pool` does those.
+answer bound to its request. No choice of server and no health here: :mod:`._pool` does those.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from typing import Any, Generic, TypeVar
 import anyio
 import msgspec
 
+from ._logs import logger
+from ._metrics import Stats
+from ._protocol import REQUEST_ID_HEADER, foreign_answer_id
 from .errors import (
     RETRYABLE_STATUSES,
     RequestNotSendable,
@@ -21,9 +24,6 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .logs import logger
-from .metrics import Stats
-from .protocol import REQUEST_ID_HEADER, foreign_answer_id
 from .transport import Body, HTTPError, Transport, UnsendableRequest
 
 __all__ = ["MAX_ANSWER_DEPTH", "Attempt", "Capacity", "DeadlinePassed", "post_once", "within_depth"]

@@ -2,7 +2,8 @@
 
 Parsing is all-or-nothing: the middleware never guesses at a half-understood request. A body whose shape
 is off anywhere the middleware must look is left to vLLM (which answers it with its own 400) when it
-holds nothing the middleware must handle, and refused otherwise (:func:`~epd_middleware.surfaces.parse_with`).
+holds nothing the middleware must handle, and refused otherwise
+(:func:`~epd_middleware._surfaces.parse_with`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from epd_middleware import protocol as p
+from epd_middleware import _protocol as p
 from epd_middleware._rawjson import text_of
 
 from . import (

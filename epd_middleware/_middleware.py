@@ -1,7 +1,7 @@
 """EPDMiddleware: the pure ASGI layer. Which requests are intercepted (path, method, content type), the
 scheduler's headers kept from everyone else, the status page, and the lifespan: the owned transport
 opened and closed, health probes and DNS lookups run, the start-up model check. One intercepted request
-is an :class:`~epd_middleware.exchange.Exchange`; what it means is :mod:`epd_middleware.pipeline`'s.
+is an :class:`~epd_middleware._exchange.Exchange`; what it means is :mod:`epd_middleware._pipeline`'s.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
 from ._asgi import first_header, route_path, send_error, send_json
+from ._exchange import Exchange
+from ._llmd import SCHEDULER_HEADERS
+from ._logs import adopt_vllm_logging
+from ._pipeline import Pipeline
+from ._probes import probe_forever
+from ._status import status_page
+from ._surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .config import EPDConfig, EPDOptions
 from .errors import Unauthorized
-from .exchange import Exchange
 from .host import Host
-from .llmd import SCHEDULER_HEADERS
-from .logs import adopt_vllm_logging
-from .pipeline import Pipeline
-from .probes import probe_forever
-from .status import status_page
-from .surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .transport import HTTPClient, HttpxTransport, Transport
 
 __all__ = ["EPDMiddleware"]

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
 
-from .logs import logger
+from ._logs import logger
+from ._metrics import Stats
+from ._upstream import DeadlinePassed
 from .transport import HTTPError, Transport, UnsendableRequest
-from .upstream import DeadlinePassed
-
-if TYPE_CHECKING:
-    from .pool import ServerPool
 
 __all__ = ["Expectation", "ModelCheck", "ModelGate", "check_models"]
 
@@ -101,6 +99,28 @@ UNUSABLE = frozenset({"mismatch"})
 _ASK = frozenset({"unchecked", "unreachable"})
 
 
+class _Record(Protocol):
+    """A server's health record, as far as the gate reads and writes it."""
+
+    model: str
+    served: str
+
+
+class Servers(Protocol):
+    """What the gate needs of the pool it guards (:class:`~._pool.ServerPool`)."""
+
+    role: str
+    members: tuple[str, ...]
+
+    @property
+    def stats(self) -> Stats: ...
+    def record(self, url: str) -> _Record: ...
+    def known(self, url: str) -> _Record | None: ...
+    def records(self) -> Iterable[_Record]: ...
+    def is_member(self, url: str) -> bool: ...
+    def record_failure(self, url: str, now: float, reason: str) -> None: ...
+
+
 @dataclass
 class _Check:
     """A model check in progress: done when it ended, ``finished`` when it reached a verdict."""
@@ -114,7 +134,7 @@ class ModelGate:
     per server. The verdicts live on the pool's health records (``model``, ``served``), where choosing a
     server reads them; a server that does not answer counts a failure there, as a failed call would."""
 
-    def __init__(self, pool: ServerPool, timeout: float) -> None:
+    def __init__(self, pool: Servers, timeout: float) -> None:
         self._pool = pool
         self._timeout = timeout
         # What a usable server must serve; None: not known, every server is taken as it is.
@@ -133,7 +153,7 @@ class ModelGate:
     async def admits(self, transport: Transport, server: str, deadline: float | None) -> bool:
         """Whether ``server`` may take a call: asked first if it never was (one check at a time per
         server; concurrent calls wait for it). The check counts against the caller's ``deadline``
-        (:class:`~epd_middleware.upstream.DeadlinePassed`); a check cut short by another caller's
+        (:class:`~epd_middleware._upstream.DeadlinePassed`); a check cut short by another caller's
         deadline gives no verdict, so a waiter asks itself."""
         if self.expectation is None:
             return True

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from blake3 import blake3
 
-from .plan import MediaItem
+from ._plan import MediaItem
 
 __all__ = ["affinity", "load_bound", "round_robin", "scheduled"]
 

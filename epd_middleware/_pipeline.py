@@ -4,7 +4,7 @@
 The same path serves every surface and every topology: E + PD, E + P + D (``prefill``), P + D without
 encoders, and Mooncake push (a consumer address to push to). Surfaces: chat completions (and its batch
 form), Anthropic Messages, OpenAI Responses. Encoders and prefill servers come from the pools (static URLs
-and DNS names, :mod:`.discovery`) or from a scheduler's headers (:mod:`.scheduler`); :mod:`.selection`
+and DNS names, :mod:`._discovery`) or from a scheduler's headers (:mod:`._scheduler`); :mod:`._selection`
 ranks them per item. The pipeline also makes the request's decisions that depend on the server it runs
 in (:class:`~.host.Host`): which scheduler choices it may follow, where embeddings are pushed, what model
 the servers must serve.
@@ -22,13 +22,21 @@ from typing import Any
 
 import anyio.abc
 
+from ._checks import check_media_policy, check_references
+from ._compat import Expectation
+from ._context import RequestContext
+from ._discovery import Discovery
+from ._encoding import EncodeStage
+from ._logs import logger
+from ._metrics import Stats
+from ._pool import PoolPolicy, ServerPool
+from ._prefill import PrefillStage
+from ._protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
 from ._rawjson import text_of
-from .checks import check_media_policy, check_references
-from .compat import Expectation
+from ._reuse import HandleCache, reuse_blocker
+from ._scheduler import NO_ROUTE, Route, Scheduler
+from ._surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .config import EPDConfig
-from .context import RequestContext
-from .discovery import Discovery
-from .encoding import EncodeStage
 from .errors import (
     Overloaded,
     RefusedField,
@@ -36,14 +44,6 @@ from .errors import (
     UnwritableRequest,
 )
 from .host import Host
-from .logs import logger
-from .metrics import Stats
-from .pool import PoolPolicy, ServerPool
-from .prefill import PrefillStage
-from .protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
-from .reuse import HandleCache, reuse_blocker
-from .scheduler import NO_ROUTE, Route, Scheduler
-from .surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .transport import Transport
 
 __all__ = ["Pipeline", "RequestContext", "pool_policy", "refused_transfer_field"]

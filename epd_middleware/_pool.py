@@ -2,11 +2,11 @@
 is, and which to try next.
 
 It owns what every pool needs and nothing about what the calls carry: its members (set by
-:mod:`.discovery`), the round-robin cursor, passive health (consecutive failures eject a server for a
+:mod:`._discovery`), the round-robin cursor, passive health (consecutive failures eject a server for a
 cool-down that doubles while it keeps failing) and each server's capacity. How a call fails over is
-:mod:`.failover`, one try of it :mod:`.upstream`, active health :mod:`.probes`; whether a server serves
-this server's model is the pool's :class:`~.compat.ModelGate`. The encoder and prefill stages build the
-bodies and read the replies; :mod:`.selection` and :mod:`.scheduler` say which servers a call should
+:mod:`._failover`, one try of it :mod:`._upstream`, active health :mod:`._probes`; whether a server serves
+this server's model is the pool's :class:`~._compat.ModelGate`. The encoder and prefill stages build the
+bodies and read the replies; :mod:`._selection` and :mod:`._scheduler` say which servers a call should
 try.
 
 Calls may also go to servers that are not members (a scheduler named them): they get health and limits
@@ -19,11 +19,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .addresses import url_host_port
-from .compat import UNUSABLE, ModelGate
-from .logs import logger
-from .metrics import Stats
-from .upstream import Capacity
+from ._addresses import url_host_port
+from ._compat import UNUSABLE, ModelGate
+from ._logs import logger
+from ._metrics import Stats
+from ._upstream import Capacity
 
 __all__ = ["OTHER_SERVERS", "PoolPolicy", "ServerPool"]
 
@@ -57,7 +57,7 @@ class Health:
     failures: int = 0
     ejected_until: float = 0.0
     cooldown: float = 0.0
-    # Whether it serves this server's model (compat.py): unchecked, ok, mismatch, unreachable.
+    # Whether it serves this server's model (_compat.py): unchecked, ok, mismatch, unreachable.
     model: str = "unchecked"
     served: str = ""
 

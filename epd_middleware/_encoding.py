@@ -13,20 +13,20 @@ from typing import Any
 
 import anyio
 
-from . import selection
+from . import _selection as selection
+from ._context import RequestContext
+from ._encoders import EncodeJob, EncodeOutcome, encode
+from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_params
+from ._logs import logger
+from ._metrics import Stats
+from ._plan import EncoderCall, MediaItem, media_items, plan_calls
+from ._pool import ServerPool
+from ._protocol import EC_ITEMS, embedding_stored
+from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
+from ._scheduler import Route
+from ._surfaces import ParsedRequest, Surface
 from .config import EPDConfig
-from .context import RequestContext
-from .encoders import EncodeJob, EncodeOutcome, encode
 from .errors import NoHealthyUpstream
-from .handles import Handle, ItemKey, part_metadata, push_items, transfer_params
-from .logs import logger
-from .metrics import Stats
-from .plan import EncoderCall, MediaItem, media_items, plan_calls
-from .pool import ServerPool
-from .protocol import EC_ITEMS, embedding_stored
-from .reuse import HandleCache, ReuseKey, request_key, reuse_blocker
-from .scheduler import Route
-from .surfaces import ParsedRequest, Surface
 
 __all__ = ["EncodeStage", "Encoded"]
 

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 from blake3 import blake3
 
+from ._protocol import UNBATCHED_MODALITIES, UUID
 from ._rawjson import Raw, raw_text
-from .protocol import UNBATCHED_MODALITIES, UUID
 
 __all__ = ["EncoderCall", "MediaItem", "MediaSource", "content_uuid", "media_items", "plan_calls"]
 
@@ -78,7 +78,7 @@ def plan_calls(
     max_batch_size: int,
 ) -> tuple[EncoderCall, ...]:
     """Send each item to the first of its ``choices`` (an encoder ranking per item, from
-    :mod:`.selection`); the rest of its ranking is where its call fails over first.
+    :mod:`._selection`); the rest of its ranking is where its call fails over first.
 
     Images that land on the same encoder travel together, at most ``max_batch_size`` a call, failing
     over in the order of the batch's first item; audio and video go one item a call (vLLM encodes them

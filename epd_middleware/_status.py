@@ -8,8 +8,8 @@ from typing import Any
 
 import anyio
 
+from ._pipeline import Pipeline
 from .host import Host
-from .pipeline import Pipeline
 
 __all__ = ["status_page"]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from .handles import Handle, ItemKey
-from .protocol import CACHE_SALT, MODEL, embedding_stored
+from ._handles import Handle, ItemKey
+from ._protocol import CACHE_SALT, MODEL, embedding_stored
 
 __all__ = ["HandleCache", "ReuseKey", "request_key", "reuse_blocker"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ._protocol import REQUEST_ID_HEADER
+from ._scheduler import NO_ROUTE, Route
 from .host import Host
-from .protocol import REQUEST_ID_HEADER
-from .scheduler import NO_ROUTE, Route
 from .transport import Transport
 
 __all__ = ["RequestContext"]
@@ -18,7 +18,7 @@ _REQUEST_ID = REQUEST_ID_HEADER.decode()
 
 @dataclass(frozen=True, slots=True)
 class RequestContext:
-    """One request's context (:meth:`~epd_middleware.pipeline.Pipeline.context` makes it)."""
+    """One request's context (:meth:`~epd_middleware._pipeline.Pipeline.context` makes it)."""
 
     transport: Transport
     request_id: str

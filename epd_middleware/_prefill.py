@@ -5,7 +5,7 @@ decoder, ``kv_consumer``) where to take the KV cache from.
 The prefill request is the engine's request with vLLM's P/D overrides: P keeps the KV cache for a remote
 decoder, answers at once (no stream) and stops after one token (each surface names its own token
 limits). Calls spread over the prefill pool and
-fail over like encoder calls (:mod:`epd_middleware.pool`).
+fail over like encoder calls (:mod:`epd_middleware._pool`).
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import Any
 
 import anyio
 
-from . import failover
+from . import _failover as failover
+from ._context import RequestContext
+from ._logs import logger
+from ._metrics import Stats
+from ._pool import ServerPool
+from ._protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
+from ._surfaces import ParsedRequest, Surface, outgoing_body
+from ._upstream import Attempt
 from .config import EPDConfig
-from .context import RequestContext
 from .errors import NoHealthyUpstream, UpstreamBadReply, UpstreamError
-from .logs import logger
-from .metrics import Stats
-from .pool import ServerPool
-from .protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
-from .surfaces import ParsedRequest, Surface, outgoing_body
 from .transport import Transport
-from .upstream import Attempt
 
 __all__ = ["PrefillStage", "Prefilled", "decode_fields", "prefill", "prefill_fields"]
 
@@ -119,7 +119,7 @@ async def prefill(
 ) -> dict[str, Any] | None:
     """Prefill ``fields`` on the first usable ``preferred`` server (a scheduler's choice), else the
     next of the pool (failing over); P's ``kv_transfer_params``. ``compat``: the body is written as
-    Python's json writes it (:attr:`~epd_middleware.surfaces.ParsedRequest.compat`)."""
+    Python's json writes it (:attr:`~epd_middleware._surfaces.ParsedRequest.compat`)."""
     server = pool.pick(anyio.current_time(), preferred)
     if server is None:
         raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)

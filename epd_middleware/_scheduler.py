@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .addresses import parse_allowlist, split_host_port
+from ._addresses import parse_allowlist, split_host_port
+from ._llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values
+from ._logs import logger
+from ._metrics import Stats
 from .errors import ForbiddenTarget
-from .llmd import ENCODER_HOSTS_HEADER, PREFILLER_HEADER, header_values
-from .logs import logger
-from .metrics import Stats
 
 __all__ = ["NO_ROUTE", "Route", "Scheduler"]
 
