@@ -1,6 +1,6 @@
 """CPU time per request in each process of the perf rig, at concurrency 16: where the work goes.
 
-    .venv/bin/python -m benchmarks.cpu_per_request [--rounds N]
+    .venv/bin/python -m benchmarks.cpu_per_request [--rounds N] [--scale K] [--baseline CHECKOUT]
 
 Runs the fake encoder, the bare engine and the engine with EPDMiddleware as in ``benchmarks.perf``, sends
 the same 1-image and 8-image requests the direct way (load generator -> encoder, then the rewritten
@@ -8,7 +8,9 @@ request -> engine), through the middleware, and through the relay (the least an 
 do), and reads each process's user + system CPU time from /proc before and after. On a machine whose
 cores are all busy, throughput is bounded by the total. With ``--rounds`` above 1 the three paths run in
 interleaved rounds and each figure is the median over rounds (this machine's speed drifts by 10-20%
-within minutes: side by side in one run is what compares).
+within minutes: side by side in one run is what compares). ``--baseline`` adds a fourth path, the
+middleware of another checkout of the project (``git worktree add /tmp/before <commit>``) in its own
+engine process, in the same interleaved rounds: a change's cost, measured against what it replaced.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ def _own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def main(rounds: int) -> None:
+async def main(rounds: int, baseline: Path | None, scale: int) -> None:
     rig = Rig()
     try:
         encoder, engine = rig.start("encoder"), rig.start("engine")
         epd = rig.start("engine+epd", encoder)
         relay = rig.start("engine+relay", encoder)
-        for url in (engine, epd, relay):
+        older = rig.start("engine+epd", encoder, cwd=baseline) if baseline else None
+        for url in (engine, epd, relay, *([older] if older else [])):
             await rig.wait(url)
         pids = {
             "encoder": rig.procs[0].pid,
@@ -53,18 +56,22 @@ async def main(rounds: int) -> None:
             "engine+epd": rig.procs[2].pid,
             "engine+relay": rig.procs[3].pid,
         }
+        if older:
+            pids["engine+epd before"] = rig.procs[4].pid
         client = HTTPClient(connect_timeout=5)
         print(f"{'body':9} {'path':7} {'req/s':>6}  CPU ms per request by process")
         for images in (1, 8):
             case = Case(f"{images} image", chat_request([noise_png(150_000, 10 + i) for i in range(images)]))
             await prepare_direct(case, encoder, client)
-            requests = (1200 if images == 1 else 300) // rounds
+            requests = (1200 if images == 1 else 300) * scale // rounds
             assert case.encoder_body is not None
             paths = {
                 "direct": direct(encoder, engine, case),
                 "epd": poster(epd, case.body),
                 "relay": poster(relay, case.encoder_body),
             }
+            if older:
+                paths["before"] = poster(older, case.body)
             measured: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
             for _ in range(rounds):
                 for name, send in paths.items():
@@ -88,4 +95,9 @@ async def main(rounds: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
-    anyio.run(main, parser.parse_args().rounds)
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout to measure beside this one"
+    )
+    parser.add_argument("--scale", type=int, default=1, help="requests per figure, times this")
+    arguments = parser.parse_args()
+    anyio.run(main, arguments.rounds, arguments.baseline, arguments.scale)

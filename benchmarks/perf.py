@@ -131,7 +131,9 @@ class Rig:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *args: str, env: dict[str, str] | None = None) -> str:
+    def start(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+        """Start one process of the rig; ``cwd``: another checkout of the project, whose package (found
+        first from its own directory) the process runs instead of this one."""
         port = free_port()
         module = "tests.load.fake_encoder_server" if args[0] == "encoder" else "benchmarks.servers"
         argv = (
@@ -141,7 +143,7 @@ class Rig:
         )
         proc = subprocess.Popen(
             argv,
-            cwd=ROOT,
+            cwd=cwd or ROOT,
             stdout=subprocess.DEVNULL if args[0] != "encoder" else subprocess.PIPE,
             env={**os.environ, **env} if env else None,
         )

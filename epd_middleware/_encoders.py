@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import uuid as uuid_module
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -46,9 +47,9 @@ class EncoderRequest:
     transfer_ids: tuple[str, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class EncodeJob:
-    """One request's encoder calls and what they are held to."""
+class EncodeJob(NamedTuple):
+    """One request's encoder calls and what they are held to (a tuple: made once per request, it costs
+    a tuple's construction, not a frozen dataclass's attribute by attribute)."""
 
     surface: Surface
     request: ParsedRequest
@@ -64,7 +65,7 @@ class EncodeJob:
     # The identifier the engine will give an item, where known: a reply reporting another hash for it
     # is a bad reply (the encoder derives hashes otherwise: another model path, hasher or
     # --media-io-kwargs).
-    expected: Mapping[ItemKey, str] = field(default_factory=dict)
+    expected: Mapping[ItemKey, str] = MappingProxyType({})
     # The first call that failed for good fails the request and cancels its siblings (the 'error'
     # policy); otherwise failed calls are returned for the 'local' policy.
     stop_at_first_failure: bool = True

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -31,8 +31,7 @@ from .errors import NoHealthyUpstream
 __all__ = ["EncodeStage", "Encoded"]
 
 
-@dataclass(frozen=True, slots=True)
-class Encoded:
+class Encoded(NamedTuple):
     """The engine request's fields with the handles, and what to say of it in the request's log line
     (None when not logged)."""
 
@@ -40,8 +39,7 @@ class Encoded:
     note: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Items:
+class _Items(NamedTuple):
     """The request's distinct items, the uuid of each part's item, and the identifier the engine will
     give each item where the surface pins uuids (None: not derivable here)."""
 
@@ -50,12 +48,14 @@ class _Items:
     expected: dict[ItemKey, str | None]
 
 
-@dataclass(frozen=True, slots=True)
-class _Reused:
+class _Reused(NamedTuple):
     """What the reuse cache gave, and every item's reuse key (empty: reuse is off for this request)."""
 
-    handles: dict[ItemKey, Handle] = field(default_factory=dict)
-    keys: dict[ItemKey, ReuseKey] = field(default_factory=dict)
+    handles: Mapping[ItemKey, Handle]
+    keys: Mapping[ItemKey, ReuseKey]
+
+
+_NOTHING_REUSED = _Reused({}, {})
 
 
 @dataclass
@@ -133,7 +133,7 @@ class EncodeStage:
             or reuse_blocker(self.config.reuse_handles, storage, pushed=context.push_to is not None)
             is not None
         ):
-            return _Reused()
+            return _NOTHING_REUSED
         assert storage is not None
         common = request_key(request.fields, pins_uuids=surface.pins_uuids)
         keys = {(item.modality, item.uuid): (item.modality, item.uuid, common) for item in found.items}

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -33,8 +33,7 @@ from .transport import Transport
 __all__ = ["PrefillStage", "Prefilled", "decode_fields", "prefill", "prefill_fields"]
 
 
-@dataclass(frozen=True, slots=True)
-class Prefilled:
+class Prefilled(NamedTuple):
     """The decode request for the local engine, and what to say of it in the request's log line."""
 
     fields: dict[str, Any]
