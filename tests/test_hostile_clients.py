@@ -93,10 +93,16 @@ def vllm_state(
     )
 
 
-def inside_vllm(encoders: FakeEncoders, engine: FakeEngine, storage: Path | None = None, **state: Any) -> Any:
-    app, _ = build_app(encoders, engine, health_check_interval=0, check_models=False)
-    for name, value in vars(vllm_state(storage, **state)).items():
-        setattr(app.state, name, value)
+def inside_vllm(
+    encoders: FakeEncoders, engine: FakeEngine, storage: Path | None = None, lora: Any = None, **state: Any
+) -> Any:
+    """The middleware inside a vLLM server that says what ``vllm_state`` holds (its Host, built as the
+    middleware builds it from the app's state)."""
+    server = vllm_state(storage, **state)
+    server.vllm_config.lora_config = lora
+    options: dict[str, Any] = {"health_check_interval": 0, "check_models": False}
+    host = Host.of_vllm(server.vllm_config, server.args, EPDConfig(encoders=encoders.urls, **options))
+    app, _ = build_app(encoders, engine, host=host, **options)
     if storage is not None:
         encoders.storage = storage
     return app

@@ -213,8 +213,9 @@ async def test_tower_adapters_keep_every_item_raw(tmp_path: Path) -> None:
     """With LoRA on the vision tower vLLM identifies an adapter's items as "<adapter>:<hash>": which
     adapter a request runs under is the engine's to say, so nothing is made a reference."""
     encoders, engine = FakeEncoders([E0]), FakeEngine()
-    app = inside_vllm(encoders, engine, tmp_path)
-    app.state.vllm_config.lora_config = type("Lora", (), {"enable_tower_connector_lora": True})()
+    app = inside_vllm(
+        encoders, engine, tmp_path, lora=type("Lora", (), {"enable_tower_connector_lora": True})()
+    )
     assert (await post(app, chat_body(image(png(1))))).status_code == 200
     [part] = media_parts(engine.received[0].json)
     assert part["type"] == "image_url"
