@@ -75,6 +75,10 @@ async def check_models(
         return ModelCheck("unreachable", f"no answer to GET {MODELS_PATH} within {limit:g} s", limit)
     except (HTTPError, UnsendableRequest) as exc:
         return ModelCheck("unreachable", exc.reason, time.perf_counter() - started)
+    except Exception as exc:
+        # A bug in a custom transport: the server is not known to serve the model, and probing goes on.
+        logger.exception("unexpected error asking %s what it serves", url)
+        return ModelCheck("unreachable", f"unexpected {type(exc).__name__}", time.perf_counter() - started)
     seconds = time.perf_counter() - started
     if status != 200:
         return ModelCheck("unreachable", f"GET {MODELS_PATH} answered HTTP {status}", seconds)

@@ -78,8 +78,10 @@ async def call(
                 raise
             last = exc
             now = anyio.current_time()
-            pool.record_failure(server, now, exc.reason)
-            server = pool.failover_target(tried, now, preferred)
+            if exc.blames_server:
+                pool.record_failure(server, now, exc.reason)
+            more = len(tried) < pool.policy.max_attempts
+            server = pool.failover_target(tried, now, preferred) if more else None
             if server is not None:
                 stats.failover(role, label)
             logger.warning(

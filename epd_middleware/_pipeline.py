@@ -158,7 +158,7 @@ class Pipeline:
         the key its calls carry (the client's own with ``forward_authorization``). Inside vLLM the model
         the servers must serve is known from now on."""
         push_to, pin_rank = host.push_target(headers) if request.media else (None, None)
-        if self.expectation is None and host.expectation is not None:
+        if self.expectation is None and host.expectation is not None and self.config.check_models:
             self.expect(host.expectation)
         if not self.config.forward_authorization or authorization is None:
             authorization = self.config.encoder_authorization

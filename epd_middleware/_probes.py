@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import anyio
 
+from ._logs import logger
 from ._pool import ServerPool
 from .transport import HTTPError, Transport, UnsendableRequest
 
@@ -28,6 +29,10 @@ async def probe(pool: ServerPool, transport: Transport, headers: Mapping[str, st
             ok, reason = False, "health check timed out"
         except (HTTPError, UnsendableRequest) as exc:
             ok, reason = False, f"health check failed: {exc.reason}"
+        except Exception as exc:
+            # A bug in a custom transport costs this probe, not the lifespan's probing of every server.
+            logger.exception("unexpected error probing %s %s", pool.role, url)
+            ok, reason = False, f"health check failed: unexpected {type(exc).__name__}"
         if ok:
             pool.record_success(url)
         else:

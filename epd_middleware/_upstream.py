@@ -19,6 +19,7 @@ from .errors import (
     RETRYABLE_STATUSES,
     RequestNotSendable,
     UpstreamBadReply,
+    UpstreamBusy,
     UpstreamRejected,
     UpstreamStatusError,
     UpstreamTimeout,
@@ -73,16 +74,27 @@ class Capacity:
         """No call in flight and none waiting for a slot."""
         return self.in_flight == 0 and (self._limiter is None or not self._limiter.statistics().tasks_waiting)
 
-    async def acquire(self) -> None:
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    def take_now(self) -> bool:
+        """Take a free slot without the checkpoint ``acquire`` makes (a trip round the event loop);
+        False when every slot is taken."""
         limiter = self._limiter
         if limiter is None:
             limiter = self._limiter = anyio.CapacityLimiter(self._limit)
         try:
-            # Free capacity is taken without the checkpoint ``acquire`` makes (a trip round the event
-            # loop); a full server is waited for, in turn.
             limiter.acquire_nowait()
         except anyio.WouldBlock:
-            await limiter.acquire()
+            return False
+        self.in_flight += 1
+        return True
+
+    async def wait(self) -> None:
+        """Take a slot once one is free, in turn."""
+        assert self._limiter is not None  # take_now came first
+        await self._limiter.acquire()
         self.in_flight += 1
 
     def release(self) -> None:
@@ -107,7 +119,13 @@ async def post_once(
 ) -> dict[str, Any]:
     """POST ``body`` to ``server``: its JSON object answer, or the typed failure of this try
     (:class:`~epd_middleware.errors.UpstreamError`; :class:`DeadlinePassed` when the caller's
-    ``deadline``, event-loop time, came first). ``label``: the server in metrics."""
+    ``deadline``, event-loop time, came first). ``label``: the server in metrics.
+
+    The call's own timeout runs from when it has a slot on the server: time spent waiting behind this
+    process's other calls is not the server's (:class:`~epd_middleware.errors.UpstreamBusy` when no slot
+    came free within a timeout's length, the deadline bounding the wait too)."""
+    if not capacity.take_now():
+        await _wait_for_a_slot(server, role, capacity, call_timeout, deadline)
     # One bare cancel scope bounds the call by its own timeout and by the caller's deadline: a cancel
     # scope is the costliest thing a call does on the event loop (a timer, task-state lookups), and
     # ``fail_after`` inside ``move_on_after`` made two per request, each behind generator context
@@ -117,7 +135,6 @@ async def post_once(
     bound = anyio.CancelScope(deadline=min(limit, deadline) if deadline is not None else limit)
     try:
         with bound:
-            await capacity.acquire()
             stats.in_flight(role, label, 1)
             try:
                 status, content = await transport.request(
@@ -153,6 +170,23 @@ async def post_once(
         logger.warning("%s %s answered request %s with the answer of %s", role, server, request_id, other)
         raise UpstreamBadReply(server, f"the answer belongs to another request ({other})", role=role)
     return reply
+
+
+async def _wait_for_a_slot(
+    server: str, role: str, capacity: Capacity, call_timeout: float, deadline: float | None
+) -> None:
+    until = anyio.current_time() + call_timeout
+    by_deadline = deadline is not None and deadline <= until
+    with anyio.CancelScope(deadline=deadline if by_deadline and deadline is not None else until) as waiting:
+        await capacity.wait()
+    if waiting.cancelled_caught:
+        if by_deadline:
+            raise DeadlinePassed
+        raise UpstreamBusy(
+            server,
+            f"its {capacity.limit} slot(s) stayed taken by this server's other calls for {call_timeout:g} s",
+            role=role,
+        )
 
 
 def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, Any]:

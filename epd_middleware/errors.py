@@ -178,6 +178,7 @@ class UpstreamError(EPDError):
     status = 502
     retryable = True  # another server of the pool may succeed where this one failed
     outcome = "failed"  # the outcome label of the call in metrics
+    blames_server = True  # counts a failure of the server (towards its ejection)
 
     def __init__(self, server: str, reason: str, *, role: str = "encoder") -> None:
         super().__init__(f"{role} {server} failed: {reason}")
@@ -195,6 +196,15 @@ class UpstreamUnavailable(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     outcome = "timeout"
+
+
+class UpstreamBusy(UpstreamError):
+    """Every slot this process may use on the server stayed taken by its own other calls for the call's
+    whole timeout: the server is not blamed (nothing was sent), another may be free."""
+
+    status = 503
+    outcome = "busy"
+    blames_server = False
 
 
 class UpstreamStatusError(UpstreamError):

@@ -725,3 +725,11 @@ async def test_what_the_host_says_it_serves_is_expected_from_the_first_request_o
     request = parsed(pipe, chat_body(image(1)))
     context_of(pipe, request, encoders(E0), Host(expectation=expectation))
     assert pipe.expectation == expectation
+
+
+async def test_with_model_checks_off_a_hosts_model_sets_no_expectation() -> None:
+    """Before: a Host built by hand with an expectation set one even under check_models=False."""
+    pipe = pipeline(check_models=False)
+    request = parsed(pipe, chat_body(image(1)))
+    context_of(pipe, request, encoders(E0), Host(expectation=Expectation(frozenset({MODEL}))))
+    assert pipe.expectation is None

@@ -182,12 +182,9 @@ async def test_max_attempts_bounds_the_servers_one_call_tries(max_attempts: int)
     assert info.value.server == tried[-1]  # the last failure is the one raised
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="suspected bug: _failover.call counts a failover (and logs 'retrying on ...') after the last "
-    "allowed attempt, when no retry follows",
-)
 async def test_the_failover_counter_counts_only_the_retries_made() -> None:
+    """Before: the last allowed attempt's failure counted a failover (and logged "retrying on ...")
+    that never came."""
     pool = pool_of(E0, E1, max_attempts=1)
     transport = FakeTransport({E0: answer_status(500), E1: own_answer})
     with pytest.raises(UpstreamStatusError):
@@ -417,14 +414,10 @@ async def test_max_inflight_bounds_the_calls_in_flight_to_one_server_and_the_nex
     assert capacity.idle
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="suspected bug: the call's timeout runs while it waits for a slot (post_once starts its clock "
-    "before Capacity.acquire), so this process's own queueing times a call out and ejects the server",
-)
 async def test_time_spent_waiting_for_a_slot_is_not_the_servers_and_does_not_eject_it() -> None:
     """Each call is answered within the timeout; the second one only waited for the first's slot first
-    (max_inflight_per_encoder: "further calls wait (within the deadline)")."""
+    (max_inflight_per_encoder: "further calls wait (within the deadline)"). Before: the timeout ran
+    during the wait, so this process's own queueing timed a call out and ejected the server."""
     pool = pool_of(E0, max_inflight=1, timeout=0.5, eject_after=1)
     transport = FakeTransport({E0: after(0.3, own_answer)})
     outcomes: list[str] = []
@@ -708,7 +701,7 @@ async def test_a_server_outside_the_pool_gets_health_and_limits_under_one_shared
 async def test_idle_strangers_are_forgotten_once_more_than_the_bound_are_known() -> None:
     pool = pool_of(E0)
     busy = "http://busy:8001"
-    await pool.record(busy).capacity.acquire()  # a call in flight: its record must stay
+    assert pool.record(busy).capacity.take_now()  # a call in flight: its record must stay
     strangers = [f"http://10.1.{n // 250}.{n % 250}:8001" for n in range(_MAX_STRANGERS - 1)]
     for url in strangers:
         pool.record(url)
@@ -731,3 +724,50 @@ def test_a_server_that_leaves_the_pool_is_forgotten_when_idle_and_survivors_keep
     assert pool.available(0.0) == (E2,)
     assert pool.label(E0) == OTHER_SERVERS
     assert pool.member_addresses == frozenset({("enc-1", 8001), ("enc-2", 8001)})
+
+
+async def test_a_call_that_waits_a_timeouts_length_for_a_slot_fails_over_and_blames_no_one() -> None:
+    """Two calls ahead of it held E0's only slot in turn, each for its whole timeout: the third waited a
+    timeout's length without sending anything, so its wait is not counted against E0 (the two calls
+    that timed out there are), and it goes to another member."""
+    pool = pool_of(E0, E1, max_inflight=1, timeout=0.2, eject_after=10)
+    transport = FakeTransport({E0: hang(), E1: own_answer})
+    answered: list[str] = []
+
+    async def one(n: int) -> None:
+        server, _ = await call(pool, transport, E0, request_id=f"r{n}")
+        answered.append(f"r{n} {server}")
+
+    async with anyio.create_task_group() as group:
+        for n in range(3):
+            group.start_soon(one, n)
+            await anyio.sleep(0.05)
+    assert sorted(answered) == [f"r{n} {E1}" for n in range(3)]
+    assert [c.request_id for c in transport.calls if c.server == E0] == ["r0", "r1"]
+    assert failures(pool, E0) == 2
+
+
+async def test_waiting_for_a_slot_past_the_callers_deadline_blames_no_server() -> None:
+    pool = pool_of(E0, max_inflight=1, timeout=5.0, eject_after=1)
+    transport = FakeTransport({E0: hang()})
+    async with anyio.create_task_group() as group:
+        group.start_soon(call, pool, transport, E0)
+        await anyio.sleep(0.05)
+        with pytest.raises(DeadlinePassed):
+            await call(pool, transport, E0, request_id="r2", deadline=anyio.current_time() + 0.1)
+        group.cancel_scope.cancel()
+    assert failures(pool, E0) == 0
+
+
+async def test_a_transport_bug_during_a_probe_counts_a_failure_and_probing_goes_on() -> None:
+    """Before: the probe let the exception out, which ended the lifespan's probing of every server."""
+
+    def broken(call: Call) -> tuple[int, bytes]:
+        raise RuntimeError("a bug in a custom transport")
+
+    pool = pool_of(E0, E1, eject_after=1)
+    pool.models.expect(Expectation(frozenset({MODEL})))
+    await probe(pool, FakeTransport({E0: broken, E1: vllm()}), {})
+    assert failures(pool, E0) >= 1
+    assert not pool.usable(E0, anyio.current_time())
+    assert failures(pool, E1) == 0
