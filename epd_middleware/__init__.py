@@ -13,6 +13,7 @@ from .config import EPDConfig
 from .errors import (
     BodyTooLarge,
     EPDError,
+    StartupFailed,
     UpstreamBadReply,
     UpstreamError,
     UpstreamRejected,
@@ -42,6 +43,7 @@ __all__ = [
     "HTTPError",
     "Host",
     "HttpxTransport",
+    "StartupFailed",
     "Transport",
     "UnsendableRequest",
     "UpstreamBadReply",

@@ -18,7 +18,6 @@ the first request whose ``model`` the local engine answered with 200.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -52,11 +51,12 @@ class Expectation:
 @dataclass(frozen=True, slots=True)
 class ModelCheck:
     """One server's answer: ``state`` is ``ok``, ``mismatch`` or ``unreachable``; ``served`` what it
-    said it serves (or why it could not be asked); ``seconds`` the time the answer took."""
+    said it serves, for people (or why it could not be asked); ``models`` the same as (name, model path)
+    pairs."""
 
     state: str
     served: str
-    seconds: float
+    models: tuple[tuple[str, str], ...] = ()
 
 
 async def check_models(
@@ -67,32 +67,31 @@ async def check_models(
     limit: float,
 ) -> ModelCheck:
     """Ask ``url`` what it serves and judge it against ``expectation`` (None: only reachability)."""
-    started = time.perf_counter()
     try:
         with anyio.fail_after(limit):
             status, content = await client.request("GET", f"{url}{MODELS_PATH}", headers=headers)
     except TimeoutError:
-        return ModelCheck("unreachable", f"no answer to GET {MODELS_PATH} within {limit:g} s", limit)
+        return ModelCheck("unreachable", f"no answer to GET {MODELS_PATH} within {limit:g} s")
     except (HTTPError, UnsendableRequest) as exc:
-        return ModelCheck("unreachable", exc.reason, time.perf_counter() - started)
+        return ModelCheck("unreachable", exc.reason)
     except Exception as exc:
         # A bug in a custom transport: the server is not known to serve the model, and probing goes on.
         logger.exception("unexpected error asking %s what it serves", url)
-        return ModelCheck("unreachable", f"unexpected {type(exc).__name__}", time.perf_counter() - started)
-    seconds = time.perf_counter() - started
+        return ModelCheck("unreachable", f"unexpected {type(exc).__name__}")
     if status != 200:
-        return ModelCheck("unreachable", f"GET {MODELS_PATH} answered HTTP {status}", seconds)
+        return ModelCheck("unreachable", f"GET {MODELS_PATH} answered HTTP {status}")
     try:
         models: Any = _decode(content)["data"]
         ids = [str(model["id"]) for model in models]
         roots = [str(model.get("root") or "") for model in models]
     except (msgspec.DecodeError, RecursionError, KeyError, TypeError, AttributeError):
-        return ModelCheck("unreachable", f"GET {MODELS_PATH} answered no model list", seconds)
-    served = ", ".join(f"{name} ({root})" if root else name for name, root in zip(ids, roots, strict=True))
+        return ModelCheck("unreachable", f"GET {MODELS_PATH} answered no model list")
+    pairs = tuple(zip(ids, roots, strict=True))
+    served = ", ".join(f"{name} ({root})" if root else name for name, root in pairs)
     if expectation is None:
-        return ModelCheck("ok", served or "no model", seconds)
+        return ModelCheck("ok", served or "no model", pairs)
     matches = bool(expectation.names & set(ids)) and (expectation.root is None or expectation.root in roots)
-    return ModelCheck("ok" if matches else "mismatch", served or "no model", seconds)
+    return ModelCheck("ok" if matches else "mismatch", served or "no model", pairs)
 
 
 # Verdicts (a server's health record, ``model``) that keep a server from being chosen; one that did not
@@ -123,6 +122,7 @@ class Servers(Protocol):
     def records(self) -> Iterable[_Record]: ...
     def is_member(self, url: str) -> bool: ...
     def record_failure(self, url: str, now: float, reason: str) -> None: ...
+    def export_health(self, url: str) -> None: ...
 
 
 @dataclass
@@ -206,6 +206,8 @@ class ModelGate:
                 pool.record_failure(url, anyio.current_time(), result.served)
             if pool.is_member(url):
                 pool.stats.model_check(pool.role, url, result.state == "ok")
+                if changed:
+                    pool.export_health(url)
             if changed:
                 _log_verdict(pool.role, url, result, expectation)
 

@@ -20,7 +20,7 @@ from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_param
 from ._logs import logger
 from ._metrics import Stats
 from ._plan import EncoderCall, MediaItem, media_items, plan_calls
-from ._pool import ServerPool
+from ._pool import ServerPool, no_server_left
 from ._protocol import EC_ITEMS, embedding_stored
 from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from ._scheduler import Route
@@ -148,9 +148,7 @@ class EncodeStage:
         local = self.config.on_encoder_failure == "local"
         choices, source = self._choose(to_encode, route) if to_encode else ([], "reuse")
         if to_encode and not choices and not local:
-            raise NoHealthyUpstream(
-                "every encoder is failing its calls; retry later", self.config.retry_after
-            )
+            raise NoHealthyUpstream(no_server_left(self.pool, "encoder"), self.config.retry_after)
         self.stats.encoder_source(source if choices or not to_encode else "local")
         return plan_calls(to_encode, choices, self.config.max_batch_size) if choices else ()
 

@@ -39,6 +39,7 @@ async def call(
     the attempt. ``attempt`` makes each try afresh (its body, and how its answer is read)."""
     role, stats = pool.role, pool.stats
     tried: list[str] = []
+    why: list[str] = []  # each failed try, for the error when none is left
     server: str | None = first
     last: UpstreamError | None = None
     while server is not None and len(tried) < pool.policy.max_attempts:
@@ -52,6 +53,7 @@ async def call(
             last = UpstreamUnavailable(
                 server, f"not used: {served or 'it did not say what it serves'}", role=role
             )
+            why.append(f"{server}: {last.reason}")
             server = pool.failover_target(tried, anyio.current_time(), preferred)
             continue
         label = pool.label(server)
@@ -77,6 +79,7 @@ async def call(
             if not exc.retryable:
                 raise
             last = exc
+            why.append(f"{server}: {exc.reason}")
             now = anyio.current_time()
             if exc.blames_server:
                 pool.record_failure(server, now, exc.reason)
@@ -92,4 +95,8 @@ async def call(
         pool.record_success(server)
         return result
     assert last is not None
+    if len(why) > 1:
+        # Every server tried, each with its reason: the last one alone would hide the others.
+        last.message = f"{last.message} (tried {len(why)} {role}s: {'; '.join(why)})"
+        last.args = (last.message,)
     raise last

@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import anyio
 import httpx
-from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
 from ._asgi import first_header, route_path, send_error, send_json
 from ._exchange import Exchange
 from ._llmd import SCHEDULER_HEADERS
-from ._logs import adopt_vllm_logging
+from ._logs import adopt_vllm_logging, logger
 from ._pipeline import Pipeline
 from ._probes import probe_forever
 from ._status import status_page
 from ._surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .config import EPDConfig, EPDOptions
-from .errors import Unauthorized
+from .errors import StartupFailed, Unauthorized
 from .host import Host
 from .transport import HTTPClient, HttpxTransport, Transport
 
@@ -62,12 +61,11 @@ class EPDMiddleware:
             )
         if http_client is not None and transport is not None:
             raise TypeError("EPDMiddleware takes http_client or transport, not both")
-        if config is None:
-            try:
-                config = EPDConfig(**options) if options else EPDConfig.from_env()  # type: ignore[arg-type]
-            except ValidationError as exc:
-                raise ValueError(f"invalid EPDMiddleware configuration: {exc}") from None
         adopt_vllm_logging()
+        if config is None:
+            config = EPDConfig.of_options(options) if options else EPDConfig.from_env()
+        for warning in config.warnings():
+            logger.warning("epd: %s", warning)
         self.app = app
         self.config = config
         self._surfaces: dict[str, Surface] = {
@@ -170,6 +168,28 @@ class EPDMiddleware:
         """Open the owned transport and start health probes at start-up; stop and close at shutdown."""
         probes = anyio.CancelScope()
         server_scope = dict(scope)  # as it came: an app inside may put itself under "app"
+        failed: list[str] = []
+        try:
+            await self._run_lifespan(scope, receive, send, probes, server_scope, failed)
+        except BaseException as exc:
+            if not failed:
+                raise
+            await self._transports.aclose()
+            # The failure the server sees is the one raised at the failed start: ours, or the server's
+            # own from sending it (hypercorn raises there). A task group on the way wraps it: unwrapped.
+            while isinstance(getattr(exc, "exceptions", None), tuple) and len(exc.exceptions) == 1:  # type: ignore[attr-defined]
+                exc = exc.exceptions[0]  # type: ignore[attr-defined]
+            raise exc from None
+
+    async def _run_lifespan(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        probes: anyio.CancelScope,
+        server_scope: Scope,
+        failed: list[str],
+    ) -> None:
 
         async with anyio.create_task_group() as group:
 
@@ -191,10 +211,17 @@ class EPDMiddleware:
                 return message
 
             async def send_closing(message: Message) -> None:
+                if failed:
+                    return  # the app's own report of the failure raised below: the server has ours
                 if message["type"] == "lifespan.startup.complete":
                     problem = await self._startup_checks(server_scope)
                     if problem is not None:
-                        message = {"type": "lifespan.startup.failed", "message": problem}
+                        failed.append(problem)
+                        probes.cancel()
+                        await send({"type": "lifespan.startup.failed", "message": problem})
+                        # As Starlette does after a failed start: the lifespan ends with the error, so
+                        # that every server stops (hypercorn and test clients wait on the app otherwise).
+                        raise StartupFailed(problem)
                 if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
                     probes.cancel()
                     await self._transports.aclose()

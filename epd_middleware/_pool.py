@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from ._addresses import url_host_port
 from ._compat import UNUSABLE, ModelGate
 from ._logs import logger
@@ -27,6 +29,8 @@ from ._upstream import Capacity
 
 __all__ = ["OTHER_SERVERS", "PoolPolicy", "ServerPool"]
 
+# Model verdicts that make a server unhealthy: it serves another model, or it did not say what it serves.
+_NOT_HEALTHY = frozenset({"mismatch", "unreachable"})
 # The metrics label of servers outside the pool (named by a scheduler header).
 OTHER_SERVERS = "other"
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
@@ -60,6 +64,21 @@ class Health:
     # Whether it serves this server's model (_compat.py): unchecked, ok, mismatch, unreachable.
     model: str = "unchecked"
     served: str = ""
+    last_failure: str = ""
+
+    def problem(self, now: float) -> str | None:
+        """Why the server is not healthy at ``now`` (ejected, another model, no answer about its model),
+        or None when it is."""
+        if self.ejected_until > now:
+            return (
+                f"ejected for {self.ejected_until - now:.1f} s more after {self.failures} failures in a row"
+                f" (last: {self.last_failure})"
+            )
+        if self.model == "mismatch":
+            return f"serves another model: {self.served}"
+        if self.model == "unreachable":
+            return f"did not say what it serves: {self.served}"
+        return None
 
 
 @dataclass
@@ -92,7 +111,7 @@ class ServerPool:
         self.member_addresses = frozenset(url_host_port(url) for url in members)
         for url in members:
             if url not in old:
-                self.stats.health(self.role, url, self.record(url).ejected_until == 0.0)
+                self.export_health(url)
         for url in old - self._member_set:
             self.stats.forget(self.role, url)
             self._forget_if_idle(url)
@@ -108,6 +127,18 @@ class ServerPool:
 
     def is_member(self, url: str) -> bool:
         return url in self._member_set
+
+    def export_health(self, url: str) -> None:
+        """The member's ``epd_<role>_healthy``: up, and not known to serve another model or to be silent
+        about it."""
+        if url in self._member_set:
+            health = self.record(url)
+            # Ejected until record_success (a probe or a call) brings it back, whatever the clock says.
+            self.stats.health(self.role, url, not health.ejected_until and health.model not in _NOT_HEALTHY)
+
+    def problems(self, now: float) -> list[str]:
+        """Why each member that is not healthy is not, one ``url: why`` each."""
+        return [f"{url}: {problem}" for url in self.members if (problem := self._health[url].problem(now))]
 
     def record(self, url: str) -> Health:
         """The health record of ``url``, made on first use (members and strangers alike)."""
@@ -184,24 +215,25 @@ class ServerPool:
 
     def record_success(self, url: str) -> None:
         health = self.record(url)
-        if health.ejected_until:
+        back = bool(health.ejected_until)
+        if back:
             logger.info("%s %s is back", self.role, url)
-            if url in self._member_set:
-                self.stats.health(self.role, url, True)
             if self.models.expectation is not None:
                 health.model = "unchecked"  # it may have come back as another server
         health.failures = 0
         health.ejected_until = 0.0
         health.cooldown = 0.0
+        if back:
+            self.export_health(url)
 
     def record_failure(self, url: str, now: float, reason: str) -> None:
         health, policy = self.record(url), self.policy
         health.failures += 1
+        health.last_failure = reason
         if health.failures >= policy.eject_after and health.ejected_until <= now:
             health.cooldown = min(health.cooldown * 2 or policy.eject_cooldown, policy.max_eject_cooldown)
             health.ejected_until = now + health.cooldown
-            if url in self._member_set:
-                self.stats.health(self.role, url, False)
+            self.export_health(url)
             logger.warning(
                 "%s %s ejected for %.1f s after %d failures in a row (last: %s)",
                 self.role,
@@ -217,7 +249,8 @@ class ServerPool:
         return {
             url: {
                 "member": url in self._member_set,
-                "healthy": health.ejected_until <= now,
+                "healthy": (problem := health.problem(now)) is None,
+                "why_not": problem,
                 "consecutive_failures": health.failures,
                 "ejected_for_s": max(0.0, health.ejected_until - now),
                 "in_flight": health.capacity.in_flight,
@@ -231,3 +264,20 @@ class ServerPool:
         can name any target the allowlist admits (a whole network), and a series per target would grow
         without bound (in every API-server process's files, with ``PROMETHEUS_MULTIPROC_DIR``)."""
         return url if url in self._member_set else OTHER_SERVERS
+
+
+def no_server_left(pool: ServerPool, noun: str) -> str:
+    """Why no server of ``pool`` can take a call, for the client: no member serves this server's model
+    (which it names), or every member is failing, each with its reason."""
+    now = anyio.current_time()
+    problems = pool.problems(now)
+    expectation = pool.models.expectation
+    if (
+        pool.members
+        and expectation is not None
+        and all(pool.record(url).model == "mismatch" for url in pool.members)
+    ):
+        return f"no {noun} serves {expectation.describe()} ({'; '.join(problems)})"
+    if not pool.members:
+        return f"every {noun} is gone (the pool has no members); retry later"
+    return f"every {noun} is failing its calls ({'; '.join(problems)}); retry later"

@@ -22,7 +22,7 @@ from . import _failover as failover
 from ._context import RequestContext
 from ._logs import logger
 from ._metrics import Stats
-from ._pool import ServerPool
+from ._pool import ServerPool, no_server_left
 from ._protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
 from ._surfaces import ParsedRequest, Surface, outgoing_body
 from ._upstream import Attempt
@@ -121,7 +121,7 @@ async def prefill(
     Python's json writes it (:attr:`~epd_middleware._surfaces.ParsedRequest.compat`)."""
     server = pool.pick(anyio.current_time(), preferred)
     if server is None:
-        raise NoHealthyUpstream("every prefill server is failing its calls; retry later", retry_after)
+        raise NoHealthyUpstream(no_server_left(pool, "prefill server"), retry_after)
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
     body = outgoing_body(prefill_fields(fields, surface), compat=compat)
     return await failover.call(

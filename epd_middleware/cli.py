@@ -7,13 +7,16 @@ Reads the same ``EPD_*`` environment as the middleware (flags override it), look
 names, and asks every encoder and prefill server once for ``GET /health`` and ``GET /v1/models``. Prints
 one line per server (URL, reachable, model, health latency, verdict) and exits 0 when every server is
 reachable and serves the expected model (without ``--expected-model``: when they all serve the same), 1
-when any is not, 2 when the configuration itself is wrong.
+when any is not, 2 when the configuration itself is wrong (every mistake named, one line each; with
+``--json`` also as ``configuration_errors`` on stdout). Warnings (unknown ``EPD_*`` variables,
+contradicting timeouts) are printed and do not change the exit status.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -23,12 +26,13 @@ from typing import Any
 
 import anyio
 
+from . import __version__
 from ._compat import Expectation, check_models
 from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
 from ._metrics import Stats
 from ._pool import PoolPolicy, ServerPool
-from .config import EPDConfig
+from .config import ConfigurationError, EPDConfig, unknown_variables
 from .transport import Transport
 
 __all__ = ["ServerReport", "check_fleet", "main"]
@@ -39,10 +43,14 @@ class ServerReport:
     role: str
     url: str
     reachable: bool
-    model: str
+    model: str  # what it serves, for people
     health_ms: float | None
     verdict: str
     ok: bool
+    # What it serves, for scripts: one {"name", "root"} per model it lists (empty when it did not say).
+    served: tuple[dict[str, str], ...] = ()
+    # What it must serve: {"names": [...], "root": ...}, or None when nothing was expected.
+    expected: dict[str, Any] | None = None
 
 
 async def _health(client: Transport, url: str, headers: dict[str, str], limit: float) -> tuple[str, float]:
@@ -116,6 +124,8 @@ async def check_fleet(
                 round(health_ms, 1) if health == "ok" else None,
                 verdict,
                 verdict == "ok",
+                tuple({"name": name, "root": root} for name, root in models.models),
+                {"names": sorted(expectation.names), "root": expectation.root} if expectation else None,
             )
         )
     if not servers and not problems:
@@ -147,12 +157,23 @@ def _table(reports: Sequence[ServerReport], problems: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _config(args: argparse.Namespace) -> EPDConfig:
+def _environment(args: argparse.Namespace) -> dict[str, str]:
     environ = dict(os.environ)
     for name, value in (("ENCODERS", args.encoders), ("PREFILL", args.prefill)):
         if value is not None:
             environ[f"EPD_{name}"] = value
-    return EPDConfig.from_env(environ)
+    return environ
+
+
+def _server_problems(environ: dict[str, str]) -> list[str]:
+    """What in the vLLM server's own environment keeps the middleware from ever running."""
+    if environ.get("VLLM_USE_RUST_FRONTEND", "").strip().lower() in ("1", "true", "yes"):
+        return [
+            "VLLM_USE_RUST_FRONTEND is set: vLLM 0.33's Rust HTTP frontend serves the API and never "
+            "loads the epd plugin or --middleware, so encoder disaggregation would be off; unset it on "
+            "the PD server"
+        ]
+    return []
 
 
 async def _run(args: argparse.Namespace, config: EPDConfig) -> tuple[list[ServerReport], list[str]]:
@@ -166,6 +187,7 @@ async def _run(args: argparse.Namespace, config: EPDConfig) -> tuple[list[Server
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epd-middleware", description="epd-middleware operator commands")
+    parser.add_argument("--version", action="version", version=f"epd-middleware {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
         "check",
@@ -181,19 +203,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--json", action="store_true", help="print JSON for scripts")
     check.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # Warnings are this command's output, not log lines on stderr beside it.
+    logging.getLogger("epd_middleware").addHandler(logging.NullHandler())
+    environ = _environment(args)
+    errors = _server_problems(environ)
+    warnings = unknown_variables(environ)
+    config: EPDConfig | None = None
     try:
-        config = _config(args)
-    except ValueError as exc:
-        print(f"epd-middleware check: {exc}", file=sys.stderr)
+        config = EPDConfig.from_env(environ)
+        warnings.extend(config.warnings())
+    except ConfigurationError as exc:
+        errors = [*exc.problems, *errors]
+    if errors or config is None:
+        if args.json:
+            payload = {"ok": False, "configuration_errors": errors, "warnings": warnings, "servers": []}
+            print(json.dumps(payload, indent=1))
+        for error in errors:
+            print(f"epd-middleware check: {error}", file=sys.stderr)
         return 2
     reports, problems = anyio.run(_run, args, config, backend=args.backend)
+    ok = all(report.ok for report in reports) and not problems
     if args.json:
         payload = {
-            "ok": all(report.ok for report in reports) and not problems,
+            "ok": ok,
+            "configuration_errors": [],
+            "warnings": warnings,
             "servers": [asdict(report) for report in reports],
             "problems": problems,
         }
         print(json.dumps(payload, indent=1))
     else:
-        print(_table(reports, problems))
-    return 0 if all(report.ok for report in reports) and not problems else 1
+        print("\n".join([*(f"warning: {warning}" for warning in warnings), _table(reports, problems)]))
+    return 0 if ok else 1

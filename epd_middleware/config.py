@@ -6,7 +6,9 @@ environment are three spellings of the same model, so they cannot drift apart.
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 from urllib.parse import urlsplit
@@ -21,11 +23,41 @@ from pydantic import (
     model_validator,
 )
 
-from ._addresses import parse_allowlist, parse_nameserver
+from ._addresses import parse_allowlist, parse_nameserver, port_number
+from ._logs import logger
 
-__all__ = ["ENV_PREFIX", "EPDConfig", "EPDOptions"]
+__all__ = [
+    "ENV_PREFIX",
+    "TOOL_VARIABLES",
+    "ConfigurationError",
+    "EPDConfig",
+    "EPDOptions",
+    "unknown_variables",
+]
 
 ENV_PREFIX = "EPD_"
+# Variables of the project's own scripts and benchmarks that share the prefix but are not options of the
+# middleware: never warned about.
+TOOL_VARIABLES = frozenset(
+    {
+        "EPD_VLLM_PYTHON",
+        "EPD_VLLM_VENV",
+        "EPD_VLLM_VERSION",
+        "EPD_CACHE_DIR",
+        "EPD_BENCH_OPTIONS",
+        "EPD_DEMO_ENCODER",
+        "EPD_FLEET_LOGS",
+    }
+)
+_TRUE = frozenset({"1", "true", "yes", "on", "True", "TRUE"})
+
+
+class ConfigurationError(ValueError):
+    """The configuration is wrong: ``problems`` says what, one sentence per option or variable."""
+
+    def __init__(self, what: str, problems: Sequence[str]) -> None:
+        super().__init__(f"{what}: " + "; ".join(problems))
+        self.problems = list(problems)
 
 
 class EPDConfig(BaseModel):
@@ -36,7 +68,8 @@ class EPDConfig(BaseModel):
     """
 
     # Inputs stay out of validation messages: they may hold keys, or credentials in a URL.
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+    # No NaN or infinity: "inf" seconds is no timeout at all, and NaN compares false with everything.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True, allow_inf_nan=False)
 
     encoders: tuple[str, ...] = Field(
         default=(),
@@ -331,6 +364,13 @@ class EPDConfig(BaseModel):
         repr=False,
         description="Bearer token sent to the encoders and prefill servers.",
     )
+    strict_env: bool = Field(
+        default=False,
+        description=(
+            "Fail the start when an EPD_* variable is not an option (a typo such as EPD_ENCODER_TIMEOUTS); "
+            "without it each is named in a WARNING with the nearest option."
+        ),
+    )
     forward_authorization: bool = Field(
         default=False,
         description=(
@@ -345,6 +385,10 @@ class EPDConfig(BaseModel):
         role = "encoder" if info.field_name == "encoders" else "prefill"
         cleaned = []
         for url in urls:
+            if any(character.isspace() or character == ";" for character in url):
+                raise ValueError(
+                    f"{role} URL {url[:100]!r} holds a space or ';': separate several URLs with commas"
+                )
             parts = urlsplit(url)
             if "@" in parts.netloc:
                 # Credentials in a URL would show wherever the URL does (errors, the status page, metric
@@ -358,6 +402,11 @@ class EPDConfig(BaseModel):
                 raise ValueError(f"{role} URL {url!r} is not an http(s) or dns+http(s) URL with a host")
             if parts.query or parts.fragment:
                 raise ValueError(f"{role} URL {url!r} must not carry a query or fragment")
+            port_text = parts.netloc.rpartition("]")[2].rpartition(":")
+            if port_text[1] and port_number(port_text[2]) is None:
+                raise ValueError(f"{role} URL {url!r}: the port must be a number from 1 to 65535")
+            if not parts.hostname:
+                raise ValueError(f"{role} URL {url!r} has no host")
             if parts.scheme.startswith("dns+"):
                 try:
                     port = parts.port
@@ -365,7 +414,14 @@ class EPDConfig(BaseModel):
                     port = None
                 if port is None or parts.path.strip("/"):
                     raise ValueError(f"{role} URL {url!r}: a dns+ URL is dns+http(s)://NAME:PORT")
-            cleaned.append(url.rstrip("/"))
+            url = url.rstrip("/")
+            if parts.path.rstrip("/").endswith("/v1"):
+                # An OpenAI-style base URL: the calls add /v1/... themselves, so /v1 would be asked twice.
+                url = url.removesuffix("/v1")
+                logger.warning(
+                    "epd: %s URL %s/v1: the middleware adds /v1/... itself; using %s", role, url, url
+                )
+            cleaned.append(url)
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"{role} URLs are repeated: {list(urls)}")
         return tuple(cleaned)
@@ -433,11 +489,48 @@ class EPDConfig(BaseModel):
             raise ValueError(f"paths, batch_paths, messages_paths and responses_paths share {sorted(shared)}")
         if self.max_eject_cooldown < self.eject_cooldown:
             raise ValueError("max_eject_cooldown must not be shorter than eject_cooldown")
+        if self.scheduler == "llm-d" and not (self.encoders or self.prefill or self.scheduler_allow):
+            raise ValueError(
+                "scheduler='llm-d' follows a header's target only when it is a member of the encoder or "
+                "prefill pool or scheduler_allow admits it; with no pool and no scheduler_allow every "
+                "target would be dropped as forged and media encoded locally: set scheduler_allow "
+                "(EPD_SCHEDULER_ALLOW, the pods' network, e.g. 10.0.0.0/8:8001) or the pools"
+            )
         return self
+
+    def warnings(self) -> list[str]:
+        """Combinations that are valid but cannot do what they say, one sentence each."""
+        found = []
+        if self.connect_timeout > self.encoder_timeout:
+            found.append(
+                f"connect_timeout ({self.connect_timeout:g} s) is longer than encoder_timeout "
+                f"({self.encoder_timeout:g} s), which bounds the connect too: the connect gets "
+                f"{self.encoder_timeout:g} s at most"
+            )
+        if self.encode_deadline < self.encoder_timeout:
+            found.append(
+                f"encode_deadline ({self.encode_deadline:g} s) is shorter than encoder_timeout "
+                f"({self.encoder_timeout:g} s): no encoder call can use its whole timeout, and a slow call "
+                "ends the request (504) before it could fail over"
+            )
+        if self.health_check_interval and self.health_check_timeout > self.health_check_interval:
+            found.append(
+                f"health_check_timeout ({self.health_check_timeout:g} s) is longer than "
+                f"health_check_interval ({self.health_check_interval:g} s): probes of a silent server overlap"
+            )
+        if self.max_attempts > 1 and self.eject_after > self.max_attempts * 10:
+            pass  # a policy choice, not a contradiction
+        return found
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> EPDConfig:
-        """Read the configuration from ``EPD_*`` variables (``os.environ`` by default)."""
+        """Read the configuration from ``EPD_*`` variables (``os.environ`` by default).
+
+        :class:`ConfigurationError` names every variable at fault, one sentence each. A variable with the
+        prefix that is no option is named in a WARNING with the nearest option (an error with
+        ``EPD_STRICT_ENV=true``); the project's own tool variables (:data:`TOOL_VARIABLES`) are not
+        options and are left alone.
+        """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for name, field in cls.model_fields.items():
@@ -451,21 +544,30 @@ class EPDConfig(BaseModel):
         if "api_keys" not in values and env.get("VLLM_API_KEY"):
             # The key vLLM itself checks: with --middleware the middleware runs outside that check.
             values["api_keys"] = (env["VLLM_API_KEY"],)
-        if "encoders" not in values and "prefill" not in values and values.get("scheduler") != "llm-d":
-            raise ValueError(
-                f"invalid EPD_* environment configuration: {cls.env_var('encoders')} is not set; give the "
-                "encoder base URLs, comma-separated (EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001), "
-                f"or {cls.env_var('prefill')} for P/D without remote encoders, or "
-                f"{cls.env_var('scheduler')}=llm-d"
-            )
+        unknown = unknown_variables(env)
         try:
-            return cls(**values)
+            config = cls(**values)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{cls.env_var(str(error['loc'][0]))}: {error['msg']}" if error["loc"] else error["msg"]
-                for error in exc.errors()
-            )
-            raise ValueError(f"invalid EPD_* environment configuration: {problems}") from None
+            problems = [_env_problem(cls, error) for error in exc.errors()]
+            if values.get("strict_env") in _TRUE and unknown:
+                problems.extend(unknown)
+            raise ConfigurationError("invalid EPD_* environment configuration", problems) from None
+        if unknown and config.strict_env:
+            raise ConfigurationError("invalid EPD_* environment configuration", unknown)
+        for problem in unknown:
+            logger.warning("epd: %s", problem)
+        return config
+
+    @classmethod
+    def of_options(cls, options: Mapping[str, Any]) -> EPDConfig:
+        """The configuration of keyword options (the middleware's), with :class:`ConfigurationError`
+        naming every option at fault."""
+        try:
+            return cls(**options)
+        except ValidationError as exc:
+            raise ConfigurationError(
+                "invalid EPDMiddleware configuration", [_option_problem(error) for error in exc.errors()]
+            ) from None
 
     @classmethod
     def env_var(cls, field: str) -> str:
@@ -473,6 +575,53 @@ class EPDConfig(BaseModel):
         if field not in cls.model_fields:
             raise KeyError(field)
         return ENV_PREFIX + field.upper()
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One sentence per ``EPD_*`` variable that is neither an option nor a tool variable, with the
+    nearest option's variable where one is close (``EPD_ENCODER_TIMEOUTS`` -> ``EPD_ENCODER_TIMEOUT``)."""
+    options = [ENV_PREFIX + name.upper() for name in EPDConfig.model_fields]
+    found = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in options or name in TOOL_VARIABLES:
+            continue
+        near = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        found.append(f"{name} is not an option of the middleware and is ignored{hint}")
+    return found
+
+
+def _env_problem(model: type[EPDConfig], error: Any) -> str:
+    location = error["loc"]
+    if not location:
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if "at least one encoder URL is required" in message:
+            return (
+                f"{model.env_var('encoders')} is not set; give the encoder base URLs, comma-separated "
+                f"(EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001), or {model.env_var('prefill')} for P/D "
+                f"without remote encoders, or {model.env_var('scheduler')}=llm-d"
+            )
+        return message
+    return f"{model.env_var(str(location[0]))}: {_message(error)}"
+
+
+def _option_problem(error: Any) -> str:
+    location = error["loc"]
+    message = _message(error)
+    return f"{location[0]}: {message}" if location else message
+
+
+def _message(error: Any) -> str:
+    """Pydantic's message for one error, without its type prefix, and with the nearest allowed value
+    for a mistyped choice."""
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error.get("type") == "literal_error":
+        expected = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+        given = error.get("input")
+        near = difflib.get_close_matches(given, expected, n=1, cutoff=0.5) if isinstance(given, str) else []
+        if near:
+            message += f" (did you mean {near[0]!r}?)"
+    return message
 
 
 def _is_sequence_field(annotation: Any) -> bool:
@@ -529,4 +678,5 @@ class EPDOptions(TypedDict, total=False):
     authenticate: bool
     status_path: str
     encoder_api_key: str | None
+    strict_env: bool
     forward_authorization: bool

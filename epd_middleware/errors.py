@@ -252,3 +252,8 @@ class RequestNotSendable(UpstreamError):
         super().__init__(server, reason, role=role)
         self.message = f"the request cannot be sent to {role} {server}: {reason}"
         self.args = (self.message,)
+
+
+class StartupFailed(RuntimeError):
+    """``strict_startup``: an encoder or prefill server serves another model; the message says which. The
+    lifespan ends with it after telling the server ``lifespan.startup.failed``, so every server stops."""

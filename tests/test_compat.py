@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-from epd_middleware import EPDMiddleware
+from epd_middleware import EPDMiddleware, StartupFailed
 from epd_middleware._compat import Expectation
 from epd_middleware._probes import probe
 from epd_middleware.host import Host
@@ -63,7 +63,10 @@ async def lifespan(app: EPDMiddleware, scope_app: Any = None) -> list[dict[str, 
 
     scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "app": scope_app}
     with anyio.fail_after(5):
-        await app(scope, receive, send)
+        try:
+            await app(scope, receive, send)
+        except StartupFailed:  # a failed start ends the lifespan, after telling the server
+            assert sent[-1]["type"] == "lifespan.startup.failed"
     return sent
 
 

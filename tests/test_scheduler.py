@@ -131,7 +131,9 @@ async def test_without_headers_the_pool_serves_as_before() -> None:
 
 
 async def test_without_headers_or_pool_the_engine_encodes_itself() -> None:
-    app, fakes, _, engine = fleet()
+    # An allowlist that admits none of these targets: llm-d mode with neither pool nor allowlist is refused
+    # at configuration time (it could never follow a header).
+    app, fakes, _, engine = fleet(scheduler_allow=["192.0.2.0/24"])
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == 200
     assert fakes.calls == []
@@ -167,7 +169,7 @@ async def test_forged_encoder_entries_are_dropped_and_counted() -> None:
 
 
 async def test_every_encoder_entry_forged_leaves_the_request_to_the_local_engine() -> None:
-    app, fakes, _, engine = fleet()
+    app, fakes, _, engine = fleet(scheduler_allow=["192.0.2.0/24"])
     response = await post(app, chat_body(image(png(1))), headers={ENC: "127.0.0.99:8001"})
     assert response.status_code == 200
     assert fakes.calls == []
