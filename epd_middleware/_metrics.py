@@ -20,7 +20,14 @@ __all__ = ["ROLES", "Stats"]
 # The pools of remote vLLM servers the middleware calls.
 ROLES = ("encoder", "prefill")
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Seconds: fine at the low end (a parse or a rewrite takes well under a millisecond, an encoder call tens of
+# milliseconds), and up to the longest a call or a stage may run by default: prefill_timeout (300 s), so
+# every duration below it (encode_deadline 120 s, encoder_timeout 60 s) lands in a finite bucket, not only
+# in +Inf. The alerts' bounds (deploy/kubernetes/monitoring) are bucket boundaries: 10 s, 60 s.
+_LATENCY_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0),
+)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -42,8 +49,9 @@ class _Prometheus:
         )
         self.requests = prom.Counter(
             "epd_requests",
-            "Intercepted requests by outcome (encoded, passed_through, fallback, error_*).",
-            ["outcome"],
+            "Intercepted requests by outcome (encoded, passed_through, fallback, error, ...); code: the HTTP "
+            "status of an error, empty for the other outcomes.",
+            ["outcome", "code"],
         )
         self.reused_items = prom.Counter(
             "epd_reused_items",
@@ -123,6 +131,15 @@ class _PoolMetrics:
         )
 
 
+def _request_labels(outcome: str) -> tuple[str, str]:
+    """The ``outcome`` and ``code`` labels of a request outcome: ``error_502`` is ``("error", "502")``,
+    any other ``(outcome, "")``."""
+    kind, _, code = outcome.partition("_")
+    if kind == "error" and code.isdigit():
+        return kind, code
+    return outcome, ""
+
+
 _prometheus: _Prometheus | None = None
 _loaded = False
 
@@ -159,9 +176,11 @@ class Stats:
         return child
 
     def request(self, outcome: str) -> None:
+        """Counts a request's outcome: ``error_502`` in the counters, ``outcome="error", code="502"`` in
+        Prometheus (one label per dimension, so a query can sum the errors or pick the 5xx)."""
         self.counters[outcome] += 1
         if self._prom is not None:
-            self._child(self._prom.requests, outcome).inc()
+            self._child(self._prom.requests, *_request_labels(outcome)).inc()
 
     def stage(self, stage: str, seconds: float) -> None:
         if self._prom is not None:

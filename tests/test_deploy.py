@@ -2,19 +2,29 @@
 contract with each other and with the package: selectors match labels, EPD_ENCODERS names the headless
 Service and its port, every EPD_* variable is an option with a valid value, each role runs vLLM with
 the flags it needs, the EPP configuration names plugins llm-d has and profiles that exist, and the HPA
-scales on a metric the middleware exports."""
+scales on a metric the middleware exports. With deploy/kubernetes/monitoring beside each of them: the
+ServiceMonitor scrapes the port vLLM serves /metrics on, and every metric the dashboard, the alerts and
+the prometheus-adapter rule name is one the package exports, with the labels they use. Every rendered
+object is valid against Kubernetes' own schemas (kubernetes-validate, strict), or for the custom kinds
+against the essential fields of their CRDs."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit
 
+import jsonschema
+import kubernetes_validate
+import prometheus_client
 import pytest
 import yaml
 
@@ -55,6 +65,15 @@ EPP_PLUGIN_TYPES: Final = frozenset(
 
 DEPLOY = Path(__file__).parent.parent / "deploy" / "kubernetes"
 OVERLAYS = ["base", "overlays/llm-d-e-pd", "overlays/llm-d-e-p-d"]
+# Applied beside any of the OVERLAYS (the fixture renders each overlay with it, as an overlay of one's own
+# that lists both would); the adapter's configuration lives in the adapter's namespace, rendered alone.
+MONITORING = "monitoring"
+ADAPTER = "prometheus-adapter"
+DASHBOARD = DEPLOY / MONITORING / "epd-dashboard.json"
+
+# The Kubernetes release whose schemas the built-in objects are validated against (kubernetes-validate
+# bundles the OpenAPI schemas of each release; "strict" refuses fields the schema does not have).
+KUBERNETES_VERSION: Final = "1.33"
 
 
 def kubectl() -> str:
@@ -64,11 +83,27 @@ def kubectl() -> str:
     return found
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
+def render(overlay: str | Path) -> list[dict[str, Any]]:
     out = subprocess.run(
         [kubectl(), "kustomize", str(DEPLOY / overlay)], check=True, capture_output=True, text=True
     ).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def render_with_monitoring(overlay: str, scratch: Path) -> list[dict[str, Any]]:
+    """The overlay and deploy/kubernetes/monitoring in one kustomization, as a user's overlay lists them
+    (kustomize takes directories by relative path only)."""
+    resources = [os.path.relpath(DEPLOY / root, scratch) for root in (overlay, MONITORING)]
+    (scratch / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": resources,
+            }
+        )
+    )
+    return render(scratch)
 
 
 def of_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -104,8 +139,10 @@ def vllm_servers(objects: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, render(request.param)
+def rendered(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render_with_monitoring(request.param, tmp_path_factory.mktemp("kustomize"))
 
 
 def test_every_selector_matches_the_labels_it_selects(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -198,12 +235,7 @@ def test_encoders_scale_on_a_metric_the_middleware_exports(
     assert hpa["spec"]["scaleTargetRef"]["name"] == "epd-encoder"
     [metric] = hpa["spec"]["metrics"]
     name = metric["external"]["metric"]["name"]
-    exported = {
-        metric._name  # the name prometheus_client exports (a counter's gets "_total" on top)
-        for pool in _Prometheus_instance().pools.values()
-        for metric in vars(pool).values()
-    }
-    assert name in exported
+    assert exported_series()[name].type == "gauge"  # a level (calls in flight), which the HPA averages
 
 
 def test_llm_d_overlays_wire_the_pool_the_picker_and_the_middleware(
@@ -263,9 +295,539 @@ def test_llm_d_overlays_wire_the_pool_the_picker_and_the_middleware(
         assert all(entry.endswith(":8000") for entry in allow)
 
 
-def _Prometheus_instance() -> _Prometheus:
-    from epd_middleware._metrics import _metrics
+# --- Monitoring: what Prometheus scrapes, and the metric names the dashboard, alerts and adapter use ---
 
-    metrics = _metrics()
-    assert metrics is not None
-    return metrics
+
+class Series(NamedTuple):
+    type: str  # the metric family's type: counter, gauge, histogram
+    labels: frozenset[str]
+
+
+def exported_series() -> dict[str, Series]:
+    """Every series name the package exports, with its family's type and labels, as prometheus_client
+    writes them: each metric ``_Prometheus`` declares, made on a registry of its own and given one sample
+    (so counters come with ``_total``, histograms with ``_bucket`` and ``le``, ``_sum`` and ``_count``)."""
+    registry = prometheus_client.CollectorRegistry()
+    made: list[tuple[Any, tuple[str, ...]]] = []
+
+    def maker(cls: Any) -> Callable[..., Any]:
+        def make(name: str, documentation: str, labelnames: tuple[str, ...] = (), **kwargs: Any) -> Any:
+            metric = cls(name, documentation, labelnames, registry=registry, **kwargs)
+            made.append((metric, tuple(labelnames)))
+            return metric
+
+        return make
+
+    _Prometheus(
+        types.SimpleNamespace(
+            Counter=maker(prometheus_client.Counter),
+            Gauge=maker(prometheus_client.Gauge),
+            Histogram=maker(prometheus_client.Histogram),
+        )
+    )
+    for metric, labelnames in made:
+        child = metric.labels(*labelnames) if labelnames else metric
+        if isinstance(metric, prometheus_client.Histogram):
+            child.observe(1.0)
+        elif isinstance(metric, prometheus_client.Gauge):
+            child.set(1)
+        else:
+            child.inc()
+    return {
+        sample.name: Series(family.type, frozenset(sample.labels))
+        for family in registry.collect()
+        for sample in family.samples
+    }
+
+
+# Labels Prometheus puts on every series it scrapes through a ServiceMonitor, besides the metric's own
+# (prometheus-operator, pkg/prometheus/promcfg.go, generateServiceMonitorConfig: namespace, service, pod,
+# container, job, endpoint; and Prometheus' own instance).
+TARGET_LABELS: Final = frozenset({"namespace", "service", "pod", "container", "endpoint", "job", "instance"})
+
+# What the monitoring manifests call: PromQL's functions and aggregations, and Grafana's label_values().
+PROMQL_AGGREGATIONS: Final = frozenset({"sum", "min", "max", "avg", "count"})
+PROMQL_FUNCTIONS: Final = PROMQL_AGGREGATIONS | {"rate", "increase", "histogram_quantile", "label_values"}
+PROMQL_GROUPING: Final = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
+PROMQL_KEYWORDS: Final = frozenset({"and", "or", "unless", "bool", "offset"})
+
+_DURATION = r"(?:\d+(?:ms|[smhdwy]))+"
+_PROMQL_TOKEN = re.compile(
+    rf"""
+    (?P<space>\s+)
+    | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
+    | (?P<range>\[(?:{_DURATION}(?::{_DURATION})?|\$__\w+)\])
+    | (?P<number>\d+(?:\.\d+)?(?:e[+-]?\d+)?)
+    | (?P<name>[A-Za-z_:][A-Za-z0-9_:]*)
+    | (?P<op>==|!=|>=|<=|=~|!~|[-+*/%^<>=,(){{}}])
+    """,
+    re.VERBOSE,
+)
+
+
+def promql_tokens(expr: str) -> list[tuple[str, str]]:
+    tokens, at = [], 0
+    while at < len(expr):
+        match = _PROMQL_TOKEN.match(expr, at)
+        assert match is not None, f"not PromQL at {expr[at : at + 20]!r} in {expr!r}"
+        assert match.lastgroup is not None
+        if match.lastgroup != "space":
+            tokens.append((match.lastgroup, match.group()))
+        at = match.end()
+    return tokens
+
+
+def closing(tokens: list[tuple[str, str]], start: int) -> int:
+    """The index of the bracket that closes the one at ``start``."""
+    pairs, depth = {"(": ")", "{": "}"}, 0
+    for index in range(start, len(tokens)):
+        if tokens[index][1] == tokens[start][1]:
+            depth += 1
+        elif tokens[index][1] == pairs[tokens[start][1]]:
+            depth -= 1
+            if depth == 0:
+                return index
+    raise AssertionError(f"unclosed {tokens[start][1]!r}")
+
+
+def opening(tokens: list[tuple[str, str]], end: int) -> int:
+    """The index of the "(" that the ")" at ``end`` closes."""
+    depth = 0
+    for index in range(end, -1, -1):
+        depth += {")": 1, "(": -1}.get(tokens[index][1], 0)
+        if depth == 0:
+            return index
+    raise AssertionError("unopened ')'")
+
+
+class PromQL(NamedTuple):
+    metrics: frozenset[str]
+    grouping: frozenset[str]  # the labels of every by (...) of the expression
+
+
+def check_promql(expr: str, exported: dict[str, Series]) -> PromQL:
+    """Checks that ``expr`` is PromQL-shaped and names only what the package exports: brackets balance,
+    every name is a function we know, a keyword or an exported series; every label a selector matches, an
+    aggregation groups by or a binary operation matches on is a label of the series it applies to (or
+    one the scrape adds); rate() and increase() take counters (or a histogram's series) over a range,
+    histogram_quantile() a histogram's buckets grouped by le."""
+    tokens = promql_tokens(expr)
+    stack: list[str] = []
+    for _, text in tokens:
+        if text in "({":
+            stack.append(text)
+        elif text in ")}":
+            assert stack, f"unbalanced {text!r} in {expr!r}"
+            assert stack.pop() == {")": "(", "}": "{"}[text], f"unbalanced {text!r} in {expr!r}"
+    assert not stack, f"unclosed {stack} in {expr!r}"
+
+    def labels_of(metrics: set[str]) -> frozenset[str]:
+        return TARGET_LABELS.union(*(exported[name].labels for name in metrics))
+
+    metrics_at: dict[int, str] = {}
+    groupings: list[tuple[int, int, list[str]]] = []  # keyword index, its ")" index, labels
+    calls: list[tuple[str, int, int]] = []  # function, its "(" index, its ")" index
+    index = 0
+    while index < len(tokens):
+        kind, text = tokens[index]
+        following = tokens[index + 1][1] if index + 1 < len(tokens) else ""
+        if text == "{":
+            raise AssertionError(f"a selector without a metric name in {expr!r}")
+        if kind != "name" or text in PROMQL_KEYWORDS:
+            index += 1
+        elif text in PROMQL_GROUPING:
+            if following != "(":
+                assert text in ("group_left", "group_right"), f"{text} without labels in {expr!r}"
+                index += 1
+                continue
+            end = closing(tokens, index + 1)
+            inside = tokens[index + 2 : end]
+            labels = [label for kind, label in inside if kind == "name"]
+            assert all(sep == "," for _, sep in inside[1::2]), expr
+            assert len(labels) == len(inside[::2]), expr
+            groupings.append((index, end, labels))
+            index = end + 1
+        elif text in PROMQL_AGGREGATIONS and following in ("by", "without"):
+            index += 1  # sum by (labels) (argument): the grouping comes next
+        elif following == "(":
+            assert text in PROMQL_FUNCTIONS, f"unknown function {text}() in {expr!r}"
+            calls.append((text, index + 1, closing(tokens, index + 1)))
+            index += 1
+        else:
+            assert text in exported, f"{text} is not a series the package exports (in {expr!r})"
+            metrics_at[index] = text
+            index += 1
+            if following == "{":
+                end = closing(tokens, index)
+                matchers = tokens[index + 1 : end]
+                for at in range(0, len(matchers), 4):
+                    (label_kind, label), (_, op), (value_kind, _) = matchers[at : at + 3]
+                    assert label_kind == "name", expr
+                    assert op in ("=", "!=", "=~", "!~"), expr
+                    assert value_kind == "string", expr
+                    assert label in labels_of({text}), f"{text} has no label {label} (in {expr!r})"
+                    assert at + 3 == len(matchers) or matchers[at + 3][1] == ",", expr
+                index = end + 1
+
+    def metrics_within(start: int, end: int) -> set[str]:
+        return {name for at, name in metrics_at.items() if start < at < end}
+
+    everything = set(metrics_at.values())
+    for keyword_at, end, labels in groupings:
+        keyword = tokens[keyword_at][1]
+        if keyword in ("by", "without"):
+            before = tokens[keyword_at - 1][1]
+            if before in PROMQL_AGGREGATIONS:  # sum by (labels) (argument)
+                assert tokens[end + 1][1] == "(", expr
+                argument = metrics_within(end + 1, closing(tokens, end + 1))
+            else:  # sum (argument) by (labels)
+                assert before == ")", expr
+                assert tokens[opening(tokens, keyword_at - 1) - 1][1] in PROMQL_AGGREGATIONS, expr
+                argument = metrics_within(opening(tokens, keyword_at - 1), keyword_at - 1)
+        else:  # on / ignoring / group_left: the series on either side
+            argument = everything
+        missing = set(labels) - labels_of(argument)
+        assert not missing, (
+            f"{keyword} ({', '.join(labels)}): {sorted(argument)} have no {missing} in {expr!r}"
+        )
+    for function, start, end in calls:
+        inside = metrics_within(start, end)
+        if function in ("rate", "increase"):
+            assert inside, expr
+            gauges = {name for name in inside if exported[name].type not in ("counter", "histogram")}
+            assert not gauges, f"{function}() of the gauge(s) {sorted(gauges)} in {expr!r}"
+            assert any(kind == "range" for kind, _ in tokens[start:end]), f"{function}() without a range"
+        if function == "histogram_quantile":
+            assert inside, expr
+            assert all(name.endswith("_bucket") for name in inside), expr
+            grouped = any("le" in labels for at, _, labels in groupings if start < at < end)
+            assert grouped, f"histogram_quantile() of buckets not grouped by le in {expr!r}"
+    return PromQL(frozenset(everything), frozenset(label for _, _, labels in groupings for label in labels))
+
+
+def test_every_overlay_renders_alone_and_monitoring_only_adds(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    overlay, objects = rendered
+    names = [(obj["kind"], obj["metadata"]["name"]) for obj in objects]
+    alone = [(obj["kind"], obj["metadata"]["name"]) for obj in render(overlay)]
+    monitoring = [(obj["kind"], obj["metadata"]["name"]) for obj in render(MONITORING)]
+    assert sorted(names) == sorted(alone + monitoring)
+    assert not {kind for kind, _ in alone} & {"ServiceMonitor", "PrometheusRule"}  # no CRDs needed
+
+
+def test_prometheus_scrapes_every_server_that_runs_the_middleware(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, objects = rendered
+    [monitor] = of_kind(objects, "ServiceMonitor").values()
+    scraped = [
+        service
+        for service in of_kind(objects, "Service").values()
+        if selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"].get("labels", {}))
+    ]
+    [service] = scraped  # the PD Service only: the encoders run no middleware
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert endpoint.get("path", "/metrics") == "/metrics"
+    [port] = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    with_middleware = [d for d in vllm_servers(objects) if env(d).get("VLLM_PLUGINS") == "epd"]
+    assert [d["metadata"]["name"] for d in with_middleware] == ["epd-pd"]
+    for deployment in with_middleware:
+        assert selects(service["spec"]["selector"], pod_labels(deployment))
+        ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+        # vLLM serves /metrics on the port it serves the API on; the pods' scrape annotation agrees.
+        assert f"--port={ports[port['targetPort']]}" in container(deployment)["args"]
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(ports[port["targetPort"]])
+
+
+def test_every_alert_is_complete_and_uses_exported_metrics() -> None:
+    exported = exported_series()
+    [rule] = of_kind(render(MONITORING), "PrometheusRule").values()
+    alerts = [entry for group in rule["spec"]["groups"] for entry in group["rules"]]
+    assert len({alert["alert"] for alert in alerts}) == len(alerts)
+    used: set[str] = set()
+    for alert in alerts:
+        name = alert["alert"]
+        assert re.fullmatch(r"EPD[A-Za-z]+", name), name
+        assert re.fullmatch(_DURATION, alert["for"]), name
+        assert alert["labels"]["severity"] in ("critical", "warning"), name
+        assert alert["annotations"].keys() >= {"summary", "description"}, name
+        query = check_promql(alert["expr"], exported)
+        used |= query.metrics
+        # The annotations name only labels the alert's series keep (those it is grouped by).
+        for text in alert["annotations"].values():
+            for label in re.findall(r"\$labels\.(\w+)", text):
+                assert label in query.grouping - {"le"}, f"{name}: {label} is not a label of the alert"
+    # The alerts the runbook (docs/observability.md) describes: the metrics they watch.
+    assert used >= {
+        "epd_encoder_healthy",
+        "epd_pool_members",
+        "epd_encoder_call_duration_seconds_count",
+        "epd_requests_total",
+        "epd_scheduler_forged_targets_total",
+        "epd_dns_lookups_total",
+        "epd_stage_duration_seconds_bucket",
+    }
+
+
+def test_the_dashboard_charts_exported_metrics_only() -> None:
+    exported = exported_series()
+    [config_map] = of_kind(render(MONITORING), "ConfigMap").values()
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar loads
+    [(key, text)] = config_map["data"].items()
+    assert key == DASHBOARD.name
+    dashboard = json.loads(text)
+    assert dashboard == json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"]
+    assert dashboard["title"]
+    panels = dashboard["panels"]
+    assert len({panel["id"] for panel in panels}) == len(panels)
+    variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    query = re.fullmatch(r"label_values\((\w+), *(\w+)\)", variables["namespace"]["query"]["query"])
+    assert query is not None
+    assert query[1] in exported
+    assert query[2] in exported[query[1]].labels | TARGET_LABELS
+    used: set[str] = set()
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"], panel["title"]
+            assert 'namespace=~"$namespace"' in target["expr"], panel["title"]
+            used |= check_promql(target["expr"], exported).metrics
+    # What an operator looks for: request rate and latency, the encoder and prefill calls, the encoders'
+    # health, model and load, handle reuse, forged scheduler targets, DNS, local fallbacks.
+    assert used >= {
+        "epd_requests_total",
+        "epd_stage_duration_seconds_bucket",
+        "epd_encoder_call_duration_seconds_bucket",
+        "epd_prefill_call_duration_seconds_bucket",
+        "epd_encoder_healthy",
+        "epd_encoder_model_ok",
+        "epd_encoder_in_flight",
+        "epd_reused_items_total",
+        "epd_scheduler_forged_targets_total",
+        "epd_dns_lookups_total",
+        "epd_fallback_items_total",
+    }
+
+
+def test_the_adapter_serves_the_hpa_its_metric() -> None:
+    exported = exported_series()
+    [hpa] = of_kind(render("base"), "HorizontalPodAutoscaler").values()
+    [metric] = hpa["spec"]["metrics"]
+    [config_map] = of_kind(render(ADAPTER), "ConfigMap").values()
+    # Where prometheus-adapter's own manifests have it read its --config (deploy/manifests/config-map.yaml).
+    assert (config_map["metadata"]["name"], config_map["metadata"]["namespace"]) == (
+        "adapter-config",
+        "monitoring",
+    )
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    assert config.keys() == {"externalRules"}
+    [rule] = config["externalRules"]
+    series = check_promql(rule["seriesQuery"], exported)
+    # No name rule: the external metric is named as the series, which is the HPA's metric.
+    assert "name" not in rule
+    assert series.metrics == {metric["external"]["metric"]["name"]}
+    # The HPA's namespace restricts the query through the namespace label the scrape adds.
+    assert rule["resources"] == {"overrides": {"namespace": {"resource": "namespace"}}}
+    assert "namespace" in TARGET_LABELS
+    assert "<<.Series>>" in rule["metricsQuery"]
+    assert "<<.LabelMatchers>>" in rule["metricsQuery"]
+    query = (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", next(iter(series.metrics)))
+        .replace("<<.LabelMatchers>>", 'namespace="epd"')
+        .replace("<<.GroupBy>>", "namespace")
+    )
+    check_promql(query, exported)
+
+
+# --- Every object valid for the API server ---
+
+# The custom kinds kubernetes-validate has no schema for: the fields of their CRDs these manifests use,
+# with the CRDs' types, patterns and required fields. A field not listed fails the test (as "strict"
+# does for the built-in kinds): add it here from the CRD first.
+#   InferencePool: kubernetes-sigs/gateway-api-inference-extension,
+#     config/crd/bases/inference.networking.k8s.io_inferencepools.yaml (version v1)
+#   ServiceMonitor, PrometheusRule: prometheus-operator/prometheus-operator,
+#     example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml and
+#     monitoring.coreos.com_prometheusrules.yaml (version v1)
+_STRING = {"type": "string"}
+_NAME = {"type": "string", "minLength": 1}
+_LABELS = {"type": "object", "additionalProperties": _STRING}
+_PORT = {"type": "integer", "minimum": 1, "maximum": 65535}
+_CRD_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+
+
+def _object(properties: dict[str, Any], *required: str, **more: Any) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(required),
+        "additionalProperties": False,
+        **more,
+    }
+
+
+def _resource(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    metadata = _object({"name": _NAME, "namespace": _NAME, "labels": _LABELS, "annotations": _LABELS}, "name")
+    return _object(
+        {"apiVersion": {"const": api_version}, "kind": {"const": kind}, "metadata": metadata, "spec": spec},
+        "apiVersion",
+        "kind",
+        "metadata",
+        "spec",
+    )
+
+
+_MATCH_LABELS = _object({"matchLabels": {**_LABELS, "minProperties": 1}}, "matchLabels")
+CUSTOM_SCHEMAS: Final = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): _resource(
+        "inference.networking.k8s.io/v1",
+        "InferencePool",
+        _object(
+            {
+                "selector": _object({"matchLabels": {**_LABELS, "minProperties": 1, "maxProperties": 64}}),
+                "targetPorts": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 8,
+                    "items": _object({"number": _PORT}, "number"),
+                },
+                "appProtocol": {"enum": ["http", "kubernetes.io/h2c"]},
+                "endpointPickerRef": _object(
+                    {
+                        "group": _STRING,
+                        "kind": _NAME,
+                        "name": _NAME,
+                        "port": _object({"number": _PORT}, "number"),
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                    },
+                    "name",
+                    # The CRD's rule: "port is required when kind is 'Service' or unspecified".
+                    **{
+                        "if": {
+                            "anyOf": [
+                                {"not": {"required": ["kind"]}},
+                                {"properties": {"kind": {"const": "Service"}}},
+                            ]
+                        },
+                        "then": {"required": ["port"]},
+                    },
+                ),
+            },
+            "selector",
+            "targetPorts",
+        ),
+    ),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): _resource(
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+        _object(
+            {
+                "selector": _MATCH_LABELS,
+                "namespaceSelector": _object(
+                    {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STRING}}
+                ),
+                "jobLabel": _STRING,
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": _object(
+                        {
+                            "port": _NAME,
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                            "interval": _CRD_DURATION,
+                            "scrapeTimeout": _CRD_DURATION,
+                        },
+                        "port",
+                    ),
+                },
+            },
+            "endpoints",
+            "selector",
+        ),
+    ),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): _resource(
+        "monitoring.coreos.com/v1",
+        "PrometheusRule",
+        _object(
+            {
+                "groups": {
+                    "type": "array",
+                    "items": _object(
+                        {
+                            "name": _NAME,
+                            "interval": _CRD_DURATION,
+                            "rules": {
+                                "type": "array",
+                                "items": _object(
+                                    {
+                                        "alert": _NAME,
+                                        "record": _NAME,
+                                        "expr": _NAME,
+                                        "for": _CRD_DURATION,
+                                        "keep_firing_for": _CRD_DURATION,
+                                        "labels": _LABELS,
+                                        "annotations": _LABELS,
+                                    },
+                                    "expr",
+                                    oneOf=[{"required": ["alert"]}, {"required": ["record"]}],
+                                ),
+                            },
+                        },
+                        "name",
+                    ),
+                }
+            },
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("root", [*OVERLAYS, MONITORING, ADAPTER])
+def test_every_object_is_valid_for_kubernetes(root: str) -> None:
+    for obj in render(root):
+        schema = CUSTOM_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+        if schema is not None:
+            jsonschema.Draft202012Validator.check_schema(schema)
+            jsonschema.Draft202012Validator(schema).validate(obj)
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            pytest.fail(f"{exc.message}: a custom kind needs a schema in CUSTOM_SCHEMAS")
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(part) for part in exc.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} in {root}: {where}: {exc.message}")
+
+
+@pytest.mark.parametrize(
+    ("expr", "why"),
+    [
+        ("sum(rate(epd_requests[5m]))", "not a series"),  # a counter's name without _total
+        ("sum(rate(epd_requests_total[5m])", "unclosed"),
+        ("sum(rate(epd_requests_total[5m])))", "unbalanced"),
+        ("sum by (encoder) (rate(epd_requests_total[5m]))", "have no"),
+        ('sum(rate(epd_requests_total{stage="encode"}[5m]))', "has no label"),
+        ("sum(rate(epd_encoder_in_flight[5m]))", "of the gauge"),
+        ("sum(rate(epd_requests_total))", "without a range"),
+        ("histogram_quantile(0.99, sum by (stage) (rate(epd_stage_duration_seconds_bucket[5m])))", "by le"),
+        ("quantile_over(epd_requests_total)", "unknown function"),
+        ('{__name__="epd_requests_total"}', "without a metric name"),
+    ],
+)
+def test_the_promql_check_refuses_what_prometheus_would_not_answer(expr: str, why: str) -> None:
+    with pytest.raises(AssertionError) as caught:
+        check_promql(expr, exported_series())
+    assert why in str(caught.value)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from epd_middleware import EPDConfig
 from epd_middleware._metrics import Stats
 
 from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
@@ -29,10 +30,10 @@ def sample(name: str, **labels: str) -> float:
 
 async def test_metrics_count_requests_calls_failovers_and_fallbacks() -> None:
     before = {
-        "encoded": sample("epd_requests_total", outcome="encoded"),
-        "passed": sample("epd_requests_total", outcome="passed_through"),
-        "fallback": sample("epd_requests_total", outcome="fallback"),
-        "error": sample("epd_requests_total", outcome="error_502"),
+        "encoded": sample("epd_requests_total", outcome="encoded", code=""),
+        "passed": sample("epd_requests_total", outcome="passed_through", code=""),
+        "fallback": sample("epd_requests_total", outcome="fallback", code=""),
+        "error": sample("epd_requests_total", outcome="error", code="502"),
         "ok_calls": sample("epd_encoder_call_duration_seconds_count", encoder=E0, outcome="ok"),
         "bad_calls": sample("epd_encoder_call_duration_seconds_count", encoder=E1, outcome="status"),
         "encoder_failovers": sample("epd_encoder_failovers_total", encoder=E1),
@@ -53,10 +54,10 @@ async def test_metrics_count_requests_calls_failovers_and_fallbacks() -> None:
     failing, _ = build_app(FakeEncoders([E1], mode={E1: "500"}), FakeEngine(), max_attempts=1)
     assert (await post(failing, chat_body(image(png(4))))).status_code == 502
 
-    assert sample("epd_requests_total", outcome="encoded") == before["encoded"] + 1
-    assert sample("epd_requests_total", outcome="passed_through") == before["passed"] + 1
-    assert sample("epd_requests_total", outcome="fallback") == before["fallback"] + 1
-    assert sample("epd_requests_total", outcome="error_502") == before["error"] + 1
+    assert sample("epd_requests_total", outcome="encoded", code="") == before["encoded"] + 1
+    assert sample("epd_requests_total", outcome="passed_through", code="") == before["passed"] + 1
+    assert sample("epd_requests_total", outcome="fallback", code="") == before["fallback"] + 1
+    assert sample("epd_requests_total", outcome="error", code="502") == before["error"] + 1
     assert (
         sample("epd_encoder_call_duration_seconds_count", encoder=E0, outcome="ok") == before["ok_calls"] + 2
     )
@@ -157,6 +158,70 @@ def test_stats_without_prometheus_is_a_no_op() -> None:
     assert stats.counters == {"encoded": 1, "encoder_calls_ok": 1}
 
 
+def test_an_error_outcome_carries_its_status_in_a_code_label() -> None:
+    """Prometheus gets outcome="error" and the status in code (so a query can sum the errors or pick the
+    5xx); the counters the status page shows keep "error_503"."""
+    outcomes = {
+        "error_503": ("error", "503"),
+        "error_400": ("error", "400"),
+        "fallback": ("fallback", ""),
+        "prefill_fallback": ("prefill_fallback", ""),
+    }
+    before = {
+        key: sample("epd_requests_total", outcome=outcome, code=code)
+        for key, (outcome, code) in outcomes.items()
+    }
+    stats = Stats()
+    for outcome in ("error_503", "error_503", "error_400", "prefill_fallback"):
+        stats.request(outcome)
+    stats.fallback(2)
+    counts = {"error_503": 2, "error_400": 1, "fallback": 1, "prefill_fallback": 1}
+    assert stats.counters == {**counts, "fallback_items": 2}
+    for key, (outcome, code) in outcomes.items():
+        assert sample("epd_requests_total", outcome=outcome, code=code) == before[key] + counts[key], key
+    [family] = [family for family in REGISTRY.collect() if family.name == "epd_requests"]
+    assert {frozenset(s.labels) for s in family.samples} == {frozenset({"outcome", "code"})}
+    assert not [s for s in family.samples if s.labels["outcome"].startswith("error_")]
+
+
+def test_latency_buckets_reach_the_longest_timeout() -> None:
+    """Every call and stage duration up to the longest default timeout (prefill_timeout) lands in a finite
+    bucket, not only in +Inf; the fine buckets at the low end stay."""
+    longest = max(
+        EPDConfig.model_fields[name].default
+        for name in ("prefill_timeout", "encode_deadline", "encoder_timeout")
+    )
+    server = "http://buckets-0:8000"
+    stats = Stats()
+    for role in ("encoder", "prefill"):
+        stats.call(role, server, "ok", longest)
+    stats.stage("prefill", longest)
+    histograms = {
+        "epd_encoder_call_duration_seconds": {"encoder": server, "outcome": "ok"},
+        "epd_prefill_call_duration_seconds": {"prefill": server, "outcome": "ok"},
+        "epd_stage_duration_seconds": {"stage": "prefill"},
+    }
+    edges_of = {
+        family.name: sorted(
+            float(s.labels["le"])
+            for s in family.samples
+            if s.name.endswith("_bucket") and s.labels.items() >= histograms[family.name].items()
+        )
+        for family in REGISTRY.collect()
+        if family.name in histograms
+    }
+    assert edges_of.keys() == histograms.keys()
+    for name, edges in edges_of.items():
+        assert edges == edges_of["epd_stage_duration_seconds"], name  # one set of latency buckets
+        *finite, infinite = edges
+        assert infinite == float("inf")
+        assert finite[0] <= 0.001, name  # sub-millisecond stages (parse, rewrite) keep their resolution
+        assert finite[-1] >= longest, name
+        # Every duration observed, the longest timeout's included, is in the last finite bucket already.
+        top = REGISTRY.get_sample_value(f"{name}_bucket", {**histograms[name], "le": str(finite[-1])})
+        assert top == REGISTRY.get_sample_value(f"{name}_count", histograms[name]), name
+
+
 def test_metrics_aggregate_across_api_server_processes(tmp_path: Path) -> None:
     """vLLM sets PROMETHEUS_MULTIPROC_DIR with --api-server-count > 1: each process writes its values,
     /metrics sums them (counters, in-flight) or takes the minimum (health)."""
@@ -183,7 +248,7 @@ def test_metrics_aggregate_across_api_server_processes(tmp_path: Path) -> None:
         from prometheus_client.multiprocess import MultiProcessCollector
         registry = CollectorRegistry()
         MultiProcessCollector(registry)
-        print(registry.get_sample_value("epd_requests_total", {{"outcome": "encoded"}}))
+        print(registry.get_sample_value("epd_requests_total", {{"outcome": "encoded", "code": ""}}))
         print(registry.get_sample_value("epd_encoder_healthy", {{"encoder": "{E0}"}}))
         """
     )
