@@ -24,7 +24,6 @@ import dns.asyncresolver
 import dns.exception
 import dns.nameserver
 import dns.resolver
-import sniffio
 
 from ._addresses import parse_nameserver
 from ._logs import logger
@@ -145,7 +144,10 @@ class Discovery:
         self._refreshing = True
         try:
             resolver = self._resolver()
-            backend = dns.asyncbackend.get_backend(sniffio.current_async_library())
+            # The running library's name as anyio itself learns it: sniffio where installed (trio always
+            # brings it), asyncio otherwise. dnspython's sniff() asks the same way, uncached, unlike its
+            # default backend, which is chosen once per process.
+            backend = dns.asyncbackend.get_backend(dns.asyncbackend.sniff())
             async with anyio.create_task_group() as group:
                 for name in self.names:
                     group.start_soon(self._look_up, resolver, backend, name)

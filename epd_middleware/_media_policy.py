@@ -16,6 +16,7 @@ from pathlib import Path
 from urllib.request import url2pathname
 
 import anyio.to_thread
+import msgspec
 
 from ._rawjson import Raw, raw_text, text_of
 
@@ -37,7 +38,8 @@ class MediaPolicy:
                 return None  # a long data URL stays undecoded
             try:
                 url = str(text_of(url))
-            except ValueError:  # a raw control character: vLLM cannot read the body at all
+            except (msgspec.DecodeError, ValueError):  # a raw control character: vLLM cannot read the body
+                # (DecodeError is a ValueError only from msgspec 0.21 on)
                 return "The URL is not a valid JSON string."
         if url[:5].lower() == "data:":
             return None

@@ -84,6 +84,10 @@ class Capacity:
         limiter = self._limiter
         if limiter is None:
             limiter = self._limiter = anyio.CapacityLimiter(self._limit)
+        if limiter.available_tokens < 1:
+            # Asked first rather than caught: anyio before 4.14.2 lets trio's own WouldBlock out of
+            # acquire_nowait on trio, not anyio's.
+            return False
         try:
             limiter.acquire_nowait()
         except anyio.WouldBlock:
