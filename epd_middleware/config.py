@@ -518,8 +518,6 @@ class EPDConfig(BaseModel):
                 f"health_check_timeout ({self.health_check_timeout:g} s) is longer than "
                 f"health_check_interval ({self.health_check_interval:g} s): probes of a silent server overlap"
             )
-        if self.max_attempts > 1 and self.eject_after > self.max_attempts * 10:
-            pass  # a policy choice, not a contradiction
         return found
 
     @classmethod

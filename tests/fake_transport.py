@@ -13,7 +13,6 @@ Every request is recorded (method, URL, headers, body decoded as JSON), and so i
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,6 +26,20 @@ import anyio
 from epd_middleware import ConnectFailed
 from epd_middleware._protocol import EXAMPLE_CONNECTOR_FILE
 from epd_middleware.transport import Body
+
+# What a vLLM server answers, as the ASGI-level fakes answer it: one copy of that logic.
+from .fakes import (
+    DEFAULT_GRID,
+    MODEL,
+    SMALL_GRID,
+    content_hash,
+    derived_hash,
+    encoder_reply,
+    item_metadata,
+    models_answer,
+    part_modality,
+    reported_entries,
+)
 
 __all__ = [
     "DEFAULT_GRID",
@@ -54,12 +67,6 @@ __all__ = [
     "reported_entries",
     "vllm",
 ]
-
-# The numbers of tests/fakes.py (docs/vllm-cpu.md: the 800x600 image gives 234 image tokens by default
-# and 54 with the size override).
-DEFAULT_GRID = [1, 36, 26]
-SMALL_GRID = [1, 12, 18]
-MODEL = "tiny-qwen2-vl"
 
 
 @dataclass(frozen=True)
@@ -249,85 +256,12 @@ def vllm(
     return handler
 
 
-def models_answer(names: Sequence[str], root: str | None = None) -> dict[str, Any]:
-    """vLLM's ``GET /v1/models`` answer."""
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "owned_by": "vllm", "root": root or name} for name in names],
-    }
-
-
-# The encoder's answer, as vLLM 0.32 gives it (the logic of tests/fakes.py FakeEncoders.reply) -----------
-
-_PART_MODALITY = {"image_url": "image", "audio_url": "audio", "video_url": "video", "input_audio": "audio"}
-
-
-def derived_hash(model: str, uuid: str, modality: str, body: Mapping[str, Any]) -> str:
-    """vLLM's rule: the uuid itself without options, a hash of model + uuid + options with them."""
-    media_io = (body.get("media_io_kwargs") or {}).get(modality)
-    factors: dict[str, Any] = {}
-    if media_io:
-        factors["media_io_kwargs"] = {modality: media_io}
-    if body.get("mm_processor_kwargs"):
-        factors["mm_processor_kwargs"] = body["mm_processor_kwargs"]
-    if not factors:
-        return uuid
-    text = json.dumps({"model_id": model, modality: uuid, **factors}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:40]
-
-
-def content_hash(url: str) -> str:
-    """What the fake reports for a uuid-less item (vLLM hashes the decoded media; the fake its URL)."""
-    return "content-" + hashlib.sha256(url.encode()).hexdigest()[:24]
-
-
-def part_modality(part: Mapping[str, Any]) -> str:
-    if part.get("type") == "input_image" and part.get("uuid") is None:
-        return "image"
-    if part.get("type") in _PART_MODALITY and part.get("uuid") is None:
-        return _PART_MODALITY[part["type"]]
-    for key, modality in _PART_MODALITY.items():
-        if key in part:
-            return modality
-    raise AssertionError(f"not a media part: {part}")
-
-
-def item_metadata(modality: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """The placeholder metadata the fake reports: an image's grid depends on ``mm_processor_kwargs``."""
-    if modality == "image":
-        small = bool((body.get("mm_processor_kwargs") or {}).get("size"))
-        return {"image_grid_thw": SMALL_GRID if small else DEFAULT_GRID}
-    if modality == "audio":
-        return {"audio_num_tokens": [50]}
-    return {"video_grid_thw": [2, 12, 18]}
-
-
-def reported_entries(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``ec_transfer_params`` an encoder reports for a chat-completions body: per media part i, its
-    hash -> ``{"item_indices": [i], "metadata": ...}``."""
-    entries: dict[str, Any] = {}
-    for index, part in enumerate(body["messages"][0]["content"]):
-        modality = part_modality(part)
-        uuid = part.get("uuid")
-        if uuid is None:
-            mm_hash = content_hash(part["image_url"]["url"])
-        else:
-            mm_hash = derived_hash(body["model"], uuid, modality, body)
-        entries[mm_hash] = {"item_indices": [index], "metadata": item_metadata(modality, body)}
-    return entries
+# The encoder's answer, as vLLM 0.32 gives it: tests/fakes.py's logic, shared ---------------------------
 
 
 def encoder_answer(call: Call) -> dict[str, Any]:
     """vLLM's answer to an encoder call: ``id`` ``chatcmpl-<x-request-id>``, and the handles."""
-    body = call.json
-    return {
-        "id": f"chatcmpl-{call.request_id or 'random-id'}",
-        "object": "chat.completion",
-        "model": body["model"],
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10},
-        "ec_transfer_params": reported_entries(body),
-    }
+    return encoder_reply(call.json, reported_entries(call.json), call.request_id)
 
 
 def encoder(storage: Path | None = None) -> Callable[[Call], Answer]:

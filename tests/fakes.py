@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +42,10 @@ def models_answer(names: list[str], root: str | None = None) -> dict[str, Any]:
 PART_MODALITY = {"image_url": "image", "audio_url": "audio", "video_url": "video", "input_audio": "audio"}
 
 
-def derived_hash(model: str, uuid: str, modality: str, body: dict[str, Any]) -> str:
+def derived_hash(model: str, uuid: str, modality: str, body: Mapping[str, Any]) -> str:
     """vLLM's rule: the uuid itself without options, a hash of model + uuid + options with them."""
     media_io = (body.get("media_io_kwargs") or {}).get(modality)
-    factors = {}
+    factors: dict[str, Any] = {}
     if media_io:
         factors["media_io_kwargs"] = {modality: media_io}
     if body.get("mm_processor_kwargs"):
@@ -60,7 +60,7 @@ def content_hash(url: str) -> str:
     return "content-" + hashlib.sha256(url.encode()).hexdigest()[:24]
 
 
-def part_modality(part: dict[str, Any]) -> str:
+def part_modality(part: Mapping[str, Any]) -> str:
     if part.get("type") == "input_image" and part.get("uuid") is None:
         return "image"
     if part.get("type") in PART_MODALITY and part.get("uuid") is None:
@@ -69,6 +69,47 @@ def part_modality(part: dict[str, Any]) -> str:
         if key in part:
             return modality
     raise AssertionError(f"not a media part: {part}")
+
+
+def item_metadata(modality: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The placeholder metadata the fake reports: an image's grid depends on ``mm_processor_kwargs``."""
+    if modality == "image":
+        small = bool((body.get("mm_processor_kwargs") or {}).get("size"))
+        return {"image_grid_thw": SMALL_GRID if small else DEFAULT_GRID}
+    if modality == "audio":
+        return {"audio_num_tokens": [50]}
+    return {"video_grid_thw": [2, 12, 18]}
+
+
+def reported_entries(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``ec_transfer_params`` an encoder reports for a chat-completions body: per media part i, its
+    hash -> ``{"item_indices": [i], "metadata": ...}``."""
+    entries: dict[str, Any] = {}
+    for index, part in enumerate(body["messages"][0]["content"]):
+        modality = part_modality(part)
+        uuid = part.get("uuid")
+        if uuid is None:
+            # vLLM hashes the decoded media of a uuid-less item; the fake hashes its URL.
+            mm_hash = content_hash(part["image_url"]["url"])
+        else:
+            mm_hash = derived_hash(body["model"], uuid, modality, body)
+        entries[mm_hash] = {"item_indices": [index], "metadata": item_metadata(modality, body)}
+    return entries
+
+
+def encoder_reply(
+    body: Mapping[str, Any], entries: Mapping[str, Any], request_id: str | None
+) -> dict[str, Any]:
+    """vLLM's answer to an encoder call: id "chatcmpl-" and the x-request-id header (else a random one),
+    and the handles."""
+    return {
+        "id": f"chatcmpl-{request_id or 'random-id'}",
+        "object": "chat.completion",
+        "model": body["model"],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10},
+        "ec_transfer_params": dict(entries),
+    }
 
 
 @dataclass
@@ -165,17 +206,7 @@ class FakeEncoders:
         return httpx.Response(200, json=reply)
 
     def reply(self, body: dict[str, Any], mode: str, request_id: str | None = None) -> dict[str, Any]:
-        parts = body["messages"][0]["content"]
-        entries: dict[str, Any] = {}
-        for index, part in enumerate(parts):
-            modality = part_modality(part)
-            uuid = part.get("uuid")
-            if uuid is None:
-                # vLLM hashes the decoded media of a uuid-less item; the fake hashes its URL.
-                mm_hash = content_hash(part["image_url"]["url"])
-            else:
-                mm_hash = derived_hash(body["model"], uuid, modality, body)
-            entries[mm_hash] = {"item_indices": [index], "metadata": self.metadata(modality, body)}
+        entries = reported_entries(body)
         if mode == "no_entries":
             entries = {}
         elif mode == "empty_metadata":
@@ -183,27 +214,9 @@ class FakeEncoders:
         elif mode == "bad_indices":
             entries = {key: {**entry, "item_indices": [99]} for key, entry in entries.items()}
         elif mode == "unmatched":
+            parts = body["messages"][0]["content"]
             entries = {f"nope-{i}": {"metadata": {"x": 1}} for i in range(len(parts) + 1)}
-        return {
-            # vLLM's answer id: "chatcmpl-" and the x-request-id header, else a random one
-            "id": f"chatcmpl-{request_id or 'random-id'}",
-            "object": "chat.completion",
-            "model": body["model"],
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": ""}, "finish_reason": "length"}
-            ],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10},
-            "ec_transfer_params": entries,
-        }
-
-    @staticmethod
-    def metadata(modality: str, body: dict[str, Any]) -> dict[str, Any]:
-        if modality == "image":
-            small = bool((body.get("mm_processor_kwargs") or {}).get("size"))
-            return {"image_grid_thw": SMALL_GRID if small else DEFAULT_GRID}
-        if modality == "audio":
-            return {"audio_num_tokens": [50]}
-        return {"video_grid_thw": [2, 12, 18]}
+        return encoder_reply(body, entries, request_id)
 
 
 @dataclass
