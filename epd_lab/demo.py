@@ -1,14 +1,17 @@
 """The CPU demo: a real 1-encoder + 1-PD deployment with the middleware, against a single instance.
 
-    python -m epd_lab.demo            (with vLLM importable, or EPD_VLLM_PYTHON set)
+    python -m epd_lab.demo [--connector example|mooncake]   (vLLM importable, or EPD_VLLM_PYTHON set)
 
 Builds the tiny Qwen2-VL model, starts three vLLM servers on loopback (single instance, encoder, PD with
 the ``epd`` endpoint plugin), sends the seed request with default and non-default image options, prints
-a table, and stops the servers.
+a table, and stops the servers. The encoder hands embeddings to PD through ECExampleConnector (shared
+files, the default) or ECMooncakeConnector (pushed over TCP from CPU buffers; the PD loads the lab's
+V1-runner shim, epd_lab/v1_runner_shim.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -29,7 +32,15 @@ or on a GPU machine:
 """
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="demo.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--connector",
+        choices=lab.CONNECTORS,
+        default="example",
+        help="the EC connector between encoder and PD (default: example, shared files)",
+    )
+    connector = parser.parse_args(argv).connector
     python = lab.find_vllm_python()
     if python is None:
         sys.stderr.write(NO_VLLM)
@@ -45,14 +56,17 @@ def main() -> int:
         root = Path(tmp)
         storage, logs = root / "ec-cache", root / "logs"
         storage.mkdir()
-        encoder = lab.encoder_server(python, model, logs, storage)
+        encoder = lab.encoder_server(python, model, logs, storage, connector=connector)
         servers = [
             lab.single_server(python, model, logs),
             encoder,
-            lab.pd_server(python, model, logs, storage, [encoder.url]),
+            lab.pd_server(python, model, logs, storage, [encoder.url], connector=connector),
         ]
         single, _, pd = servers
-        print("starting single instance, encoder (ec_producer) and PD (ec_consumer + epd plugin) ...")
+        name = "ECMooncakeConnector over TCP" if connector == "mooncake" else "ECExampleConnector"
+        print(
+            f"starting single instance, encoder (ec_producer) and PD (ec_consumer + epd plugin), {name} ..."
+        )
         started = time.monotonic()
         lab.start_all(servers, timeout=900)
         print(f"servers ready in {time.monotonic() - started:.0f} s\n")

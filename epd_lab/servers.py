@@ -115,12 +115,47 @@ def install_project(python: str) -> None:
     )
 
 
-def ec_config(role: str, storage: Path) -> str:
+CONNECTORS = ("example", "mooncake")
+# On a lab PD's PYTHONPATH with Mooncake: the V1-runner shim (epd_lab/v1_runner_shim.py).
+SHIM_SITE = ROOT / "epd_lab" / "pd_site"
+# What Mooncake needs here (docs/vllm-cpu.md): its hostname is vLLM's get_ip(), which is not loopback.
+MOONCAKE_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
+
+
+def ec_config(
+    role: str,
+    storage: Path,
+    connector: str = "example",
+    *,
+    port: int | None = None,
+    push_wait: float | None = None,
+) -> str:
+    """``--ec-transfer-config``: ECExampleConnector on shared files, or ECMooncakeConnector over TCP with
+    CPU buffers on loopback (``port``: the server's own control port; the default collides between
+    servers on one machine; ``push_wait``: the consumer's ``push_wait_timeout_s``)."""
+    if connector == "example":
+        return json.dumps(
+            {
+                "ec_connector": "ECExampleConnector",
+                "ec_role": role,
+                "ec_connector_extra_config": {"shared_storage_path": str(storage)},
+            }
+        )
+    if connector != "mooncake":
+        raise ValueError(f"unknown EC connector {connector!r}: one of {', '.join(CONNECTORS)}")
+    extra: dict[str, object] = {"mooncake_protocol": "tcp"}
+    if push_wait is not None:
+        extra["push_wait_timeout_s"] = push_wait
     return json.dumps(
         {
-            "ec_connector": "ECExampleConnector",
+            "ec_connector": "ECMooncakeConnector",
             "ec_role": role,
-            "ec_connector_extra_config": {"shared_storage_path": str(storage)},
+            "ec_ip": "127.0.0.1",
+            "ec_port": port if port is not None else free_port(),
+            "ec_buffer_device": "cpu",
+            # 64 MiB of registered buffer (the default is 1e9 bytes, allocated at start-up).
+            "ec_buffer_size": 64 * 1024 * 1024,
+            "ec_connector_extra_config": extra,
         }
     )
 
@@ -281,14 +316,25 @@ def stop_all(servers: Iterable[VLLMServer]) -> None:
 
 
 def encoder_server(
-    python: str, model: Path, log_dir: Path, storage: Path, name: str = "encoder"
+    python: str,
+    model: Path,
+    log_dir: Path,
+    storage: Path,
+    name: str = "encoder",
+    *,
+    connector: str = "example",
 ) -> VLLMServer:
     return VLLMServer(
         name,
         python,
         model,
         log_dir,
-        args=["--no-enable-prefix-caching", "--ec-transfer-config", ec_config("ec_producer", storage)],
+        args=[
+            "--no-enable-prefix-caching",
+            "--ec-transfer-config",
+            ec_config("ec_producer", storage, connector),
+        ],
+        env=dict(MOONCAKE_ENV) if connector == "mooncake" else {},
     )
 
 
@@ -303,16 +349,27 @@ def pd_server(
     name: str = "pd",
     extra_env: Mapping[str, str] | None = None,
     kv: tuple[str, Path] | None = None,
+    connector: str = "example",
+    shim: bool = True,
+    push_wait: float | None = None,
 ) -> VLLMServer:
     """A PD (ec_consumer) with the middleware loaded through the endpoint plugin or ``--middleware``.
 
     ``kv=(role, storage)`` adds a KV ExampleConnector: ``kv_producer`` for a prefill server,
     ``kv_consumer`` for a decoder whose middleware sends prefills to it (``EPD_PREFILL``).
+    With ``connector="mooncake"`` the PD's processes load the V1-runner shim unless ``shim=False``
+    (epd_lab/v1_runner_shim.py: without it an idle PD never loads a pushed embedding).
     """
-    args = ["--ec-transfer-config", ec_config("ec_consumer", storage)]
+    args = ["--ec-transfer-config", ec_config("ec_consumer", storage, connector, push_wait=push_wait)]
     if kv is not None:
         args += ["--kv-transfer-config", kv_config(*kv)]
-    env = {"EPD_ENCODERS": ",".join(encoders), "EPD_ENCODER_TIMEOUT": "120", **(extra_env or {})}
+    env = {"EPD_ENCODERS": ",".join(encoders), "EPD_ENCODER_TIMEOUT": "120"}
+    if connector == "mooncake":
+        env.update(MOONCAKE_ENV)
+        if shim:
+            path = [str(SHIM_SITE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(extra_env or {})
     if via == "plugin":
         env["VLLM_PLUGINS"] = "epd"
     elif via == "middleware":

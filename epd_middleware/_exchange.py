@@ -135,10 +135,22 @@ class Exchange:
             scope["headers"] = _engine_headers(
                 headers, len(new_body), request_id if given is None else None, context.pin_rank
             )
-            guard = _EngineFailureGuard(self.send, hold=attempt < retries)
+            guard = _EngineFailureGuard(self.send, hold=attempt < retries, hold_for=self.host.push_wait_s)
             await self.app(scope, replay(new_body, caller.receive), guard.send)
             if guard.status == 200:
                 pipeline.engine_answered(request)
+            if guard.waited_out:
+                pipeline.stats.engine_retry_skipped()
+                logger.warning(
+                    "request %s: the local engine answered 500 after the connector's whole push wait "
+                    "(%g s): an embedding pushed for it was never loaded; not running it again, which "
+                    "would wait as long once more%s",
+                    request_id,
+                    self.host.push_wait_s,
+                    " (ECMooncakeConnector on the V1 model runner: see the start-up warning)"
+                    if self.host.known_problems
+                    else "",
+                )
             if not guard.withheld:
                 return
             pipeline.stats.engine_retry()
@@ -222,14 +234,24 @@ class _CallerWatch:
 
 class _EngineFailureGuard:
     """Passes the engine's response through, except a 500 that may be retried: nothing of it is sent, so
-    the caller never sees a byte of a response that is then replaced. Keeps the response's status."""
+    the caller never sees a byte of a response that is then replaced. Keeps the response's status.
 
-    __slots__ = ("_send", "hold", "status", "withheld")
+    ``hold_for``: the engine's push wait (Mooncake ``push_wait_timeout_s``). A 500 that comes after it
+    is what vLLM answers when a pushed embedding was never loaded (``mooncake/state.py`` expires the
+    transfer, the scheduler finishes the request with an error); the engine says nothing more specific.
+    Running the request again would wait as long again, for the same reason where the reason is the
+    server's (an idle V1-runner PD never loads a push), so that 500 goes to the caller at once
+    (``waited_out``). A 500 before the wait is retried as any other.
+    """
 
-    def __init__(self, send: Send, *, hold: bool) -> None:
+    __slots__ = ("_send", "deadline", "hold", "status", "waited_out", "withheld")
+
+    def __init__(self, send: Send, *, hold: bool, hold_for: float | None = None) -> None:
         self._send = send
         self.hold = hold
+        self.deadline = anyio.current_time() + hold_for if hold and hold_for is not None else None
         self.withheld = False
+        self.waited_out = False
         self.status = 0
 
     async def send(self, message: Message) -> None:
@@ -237,9 +259,12 @@ class _EngineFailureGuard:
             return
         if message["type"] == "http.response.start":
             self.status = message["status"]
-        if self.hold and message["type"] == "http.response.start" and message["status"] == 500:
-            self.withheld = True
-            return
+            if self.hold and message["status"] == 500:
+                if self.deadline is not None and anyio.current_time() >= self.deadline:
+                    self.waited_out = True
+                else:
+                    self.withheld = True
+                    return
         await self._send(message)
 
 

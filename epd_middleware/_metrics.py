@@ -208,6 +208,11 @@ class Stats:
         if self._prom is not None:
             self._prom.engine_retries.inc()
 
+    def engine_retry_skipped(self) -> None:
+        """A 500 after the whole push wait, passed on rather than retried (on the status page; vLLM's own
+        metrics count the failed request)."""
+        self.counters["engine_retries_skipped_after_push_wait"] += 1
+
     def call(self, role: str, server: str, outcome: str, seconds: float) -> None:
         self.counters[f"{role}_calls_{outcome}"] += 1
         if self._prom is not None:

@@ -32,6 +32,8 @@ def status_page(pipeline: Pipeline, host: Host) -> dict[str, Any]:
         "client_references": _reference_status(host),
         "media_policy": _media_policy_status(host),
         "unguarded_routes": list(host.unguarded_routes),
+        "model_runner": host.model_runner,
+        "known_problems": host.known_problems,
         "handle_reuse": pipeline.reuse_status(host),
         "config": pipeline.config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
     }

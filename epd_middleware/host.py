@@ -67,6 +67,11 @@ class Host:
     # Routes that take embedding references or transfer parameters the middleware never reads.
     unguarded_routes: tuple[str, ...] = ()
     trusts_request_mm_kwargs: bool = True
+    # "v1" or "v2": the model runner the engine uses; None where the server does not say.
+    model_runner: str | None = None
+    # How long the engine waits for a pushed embedding before failing the request (Mooncake
+    # ``push_wait_timeout_s``); None without push.
+    push_wait_s: float | None = None
     _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _next_rank: int = field(init=False, default=0, repr=False, compare=False)
 
@@ -125,6 +130,8 @@ class Host:
             media_policy=_media_policy(vllm_config),
             unguarded_routes=_unguarded_routes(args),
             trusts_request_mm_kwargs=bool(getattr(args, "trust_request_mm_kwargs", True)),
+            model_runner=_model_runner(vllm_config),
+            push_wait_s=_push_wait(ec),
         )
         if config is not None:
             host._announce(config)
@@ -136,6 +143,8 @@ class Host:
             logger.info("epd: checking embeddings under %s before referencing them", self.storage)
         if self.push is not None and config.ec_consumer_zmq is None:
             logger.info("epd: encoders push embeddings to %s", self.push.by_rank)
+        for problem in self.known_problems:
+            logger.warning("epd: %s", problem)
         if not self.kv_consumer and config.scheduler == "llm-d":
             logger.warning(
                 "epd: this server has no KV consumer role (kv_role %r): a scheduler's "
@@ -144,6 +153,23 @@ class Host:
             )
 
     # What it says ------------------------------------------------------------------------------------
+
+    @property
+    def known_problems(self) -> list[str]:
+        """What is known to go wrong with this server's configuration, beyond the middleware's reach."""
+        problems = []
+        if self.ec_connector == MOONCAKE_EC_CONNECTOR and self.ec_consumer and self.model_runner == "v1":
+            wait = f"{self.push_wait_s:g} s" if self.push_wait_s is not None else "push_wait_timeout_s"
+            problems.append(
+                "ECMooncakeConnector on the V1 model runner: vLLM's V1 runner returns before the EC "
+                "connector runs on a step with no tokens to compute (v1/worker/gpu_model_runner.py), so "
+                "an idle server never loads a pushed embedding; such a request waits the whole push wait "
+                f"({wait}) and fails with HTTP 500 ('internal error during generation'), while a server "
+                "busy with other requests is not affected. Run the PD on Model Runner V2 (the default "
+                "on GPUs; VLLM_USE_V2_MODEL_RUNNER=1, and none of the features V2 lacks), or use "
+                "ECExampleConnector; see docs/topologies.md#the-v1-runner-bug"
+            )
+        return problems
 
     @property
     def kv_consumer(self) -> bool:
@@ -264,6 +290,36 @@ def _mooncake_consumers(vllm_config: object) -> MooncakeConsumers | None:
         host = f"[{host}]"  # an IPv6 literal, as vLLM's make_zmq_path writes it
     by_rank = {rank: f"tcp://{host}:{port + rank * tp}" for rank in range(first, first + count)}
     return MooncakeConsumers(by_rank, pin=dp > 1 and count > 1)
+
+
+def _model_runner(vllm_config: object) -> str | None:
+    """Which model runner the engine uses (``config/vllm.py`` ``VllmConfig.use_v2_model_runner``: V1 on a
+    build without Triton, as the CPU build, or where a feature V2 lacks is configured, or with
+    ``VLLM_USE_V2_MODEL_RUNNER=0``). The API server reads the same configuration and environment as the
+    engine, so its answer is the engine's."""
+    try:
+        uses_v2 = getattr(vllm_config, "use_v2_model_runner", None)
+    except Exception:  # a configuration vLLM itself refuses says nothing here
+        return None
+    if not isinstance(uses_v2, bool):
+        return None
+    return "v2" if uses_v2 else "v1"
+
+
+def _push_wait(ec: object) -> float | None:
+    """How long a Mooncake consumer waits for a pushed embedding (``mooncake/config.py``:
+    ``push_wait_timeout_s`` in ``ec_connector_extra_config``, default 60 s)."""
+    if ec is None or getattr(ec, "ec_connector", None) != MOONCAKE_EC_CONNECTOR:
+        return None
+    if not getattr(ec, "is_ec_consumer", False):
+        return None
+    extra = getattr(ec, "ec_connector_extra_config", None) or {}
+    value = extra.get("push_wait_timeout_s", 60) if isinstance(extra, dict) else 60
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds > 0 and seconds != float("inf") else None
 
 
 def _expectation(vllm_config: object) -> Expectation | None:

@@ -235,6 +235,7 @@ class FakeEngine:
 
     received: list[EngineRecord] = field(default_factory=list)
     fail_next: int = 0  # answer this many requests with vLLM's 500 (an embedding it could not load)
+    fail_after: float = 0.0  # seconds before that 500 (a Mooncake consumer's push wait)
 
     def app(self) -> Starlette:
         async def chat(request: Request) -> Response:
@@ -242,6 +243,8 @@ class FakeEngine:
             self.received.append(EngineRecord(body, dict(request.headers)))
             if self.fail_next:
                 self.fail_next -= 1
+                if self.fail_after:
+                    await anyio.sleep(self.fail_after)
                 return JSONResponse(
                     {
                         "error": {

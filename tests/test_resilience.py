@@ -11,7 +11,7 @@ import anyio
 import httpx
 import pytest
 
-from epd_middleware import EPDConfig, EPDMiddleware
+from epd_middleware import EPDConfig, EPDMiddleware, Host
 from epd_middleware._probes import probe
 from epd_middleware.transport import HttpxTransport
 
@@ -260,6 +260,43 @@ async def test_engine_500_before_the_first_byte_is_retried_once() -> None:
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "InternalServerError"
+
+
+def _push_host(wait: float) -> Host:
+    """A Mooncake consumer on the V1 runner whose engine waits ``wait`` seconds for a pushed embedding."""
+    return Host(ec_connector="ECMooncakeConnector", ec_consumer=True, model_runner="v1", push_wait_s=wait)
+
+
+async def test_an_engine_500_after_the_whole_push_wait_is_passed_on_not_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What vLLM answers when a pushed embedding never loaded: a second run would wait as long again."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine(fail_next=1, fail_after=0.3)
+    app, _ = build_app(encoders, engine, host=_push_host(0.2))
+    middleware = app.build_middleware_stack()
+    response = await post(middleware, chat_body(image(png(1))))
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "InternalServerError"  # the engine's own answer
+    assert len(engine.received) == 1
+    assert len(encoders.calls) == 1
+    counters = _middleware(middleware).pipeline.counters
+    assert counters["engine_retries_skipped_after_push_wait"] == 1
+    assert counters["engine_retries"] == 0
+    [line] = [r.getMessage() for r in caplog.records if "push wait" in r.getMessage()]
+    assert "not running it again" in line
+    assert "V1 model runner" in line
+
+
+async def test_an_engine_500_before_the_push_wait_is_retried_as_any_other() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine(fail_next=1, fail_after=0.05)
+    app, _ = build_app(encoders, engine, host=_push_host(5))
+    middleware = app.build_middleware_stack()
+    response = await post(middleware, chat_body(image(png(1))))
+    assert response.status_code == 200
+    assert len(engine.received) == 2
+    counters = _middleware(middleware).pipeline.counters
+    assert counters["engine_retries"] == 1
+    assert counters["engine_retries_skipped_after_push_wait"] == 0
 
 
 async def test_no_engine_retry_when_disabled() -> None:

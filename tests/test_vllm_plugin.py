@@ -134,3 +134,71 @@ def test_with_prefill_the_server_must_be_a_kv_consumer() -> None:
     check_server(
         Host.of_vllm(SimpleNamespace(ec_transfer_config=consumer)), EPDConfig(encoders=("http://e:1",))
     )
+
+
+class _RunnerConfig:
+    """A vLLM configuration whose ``use_v2_model_runner`` is a property, as in vLLM (it may raise)."""
+
+    def __init__(self, ec: object, uses_v2: bool | Exception | None) -> None:
+        self.ec_transfer_config = ec
+        self._uses_v2 = uses_v2
+
+    @property
+    def use_v2_model_runner(self) -> bool | None:
+        if isinstance(self._uses_v2, Exception):
+            raise self._uses_v2
+        return self._uses_v2
+
+
+def mooncake(role: str = "ec_consumer", **extra: Any) -> SimpleNamespace:
+    return SimpleNamespace(
+        ec_connector="ECMooncakeConnector",
+        ec_role=role,
+        is_ec_consumer=role in ("ec_consumer", "ec_both"),
+        ec_ip="127.0.0.1",
+        ec_port=15000,
+        ec_connector_extra_config=extra,
+    )
+
+
+def test_mooncake_consumer_on_the_v1_runner_is_a_known_problem_named_at_start_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from epd_middleware import EPDConfig
+
+    host = Host.of_vllm(_RunnerConfig(mooncake(), False), None, EPDConfig(encoders=("http://e:1",)))
+    assert host.model_runner == "v1"
+    assert host.push_wait_s == 60
+    [problem] = host.known_problems
+    assert "ECMooncakeConnector on the V1 model runner" in problem
+    assert "idle server never loads a pushed embedding" in problem
+    for words in ("(60 s)", "HTTP 500", "Model Runner V2"):
+        assert words in problem
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any("V1 model runner" in line for line in warnings)
+
+
+def test_no_known_problem_on_v2_with_another_connector_or_for_a_producer() -> None:
+    example = SimpleNamespace(ec_connector="ECExampleConnector", ec_role="ec_consumer", is_ec_consumer=True)
+    cases = [
+        (_RunnerConfig(mooncake(), True), "v2"),
+        (_RunnerConfig(example, False), "v1"),
+        (_RunnerConfig(mooncake("ec_producer"), False), "v1"),
+        # A configuration vLLM itself refuses (HiSparse with VLLM_USE_V2_MODEL_RUNNER=0) says nothing.
+        (_RunnerConfig(mooncake(), ValueError("HiSparse requires Model Runner V2")), None),
+        (SimpleNamespace(ec_transfer_config=mooncake()), None),  # not a vLLM that says
+    ]
+    for config, runner in cases:
+        host = Host.of_vllm(config)
+        assert host.model_runner == runner
+        assert host.known_problems == []
+
+
+def test_the_push_wait_is_read_from_the_consumer_s_extra_config() -> None:
+    assert Host.of_vllm(_RunnerConfig(mooncake(push_wait_timeout_s=2.5), True)).push_wait_s == 2.5
+    assert Host.of_vllm(_RunnerConfig(mooncake(push_wait_timeout_s="7"), True)).push_wait_s == 7
+    assert Host.of_vllm(_RunnerConfig(mooncake("ec_producer"), True)).push_wait_s is None
+    for bad in ("soon", 0, -1, float("inf")):
+        assert Host.of_vllm(_RunnerConfig(mooncake(push_wait_timeout_s=bad), True)).push_wait_s is None
+    example = SimpleNamespace(ec_connector="ECExampleConnector", ec_role="ec_consumer", is_ec_consumer=True)
+    assert Host.of_vllm(_RunnerConfig(example, True)).push_wait_s is None
