@@ -6,6 +6,7 @@ Flags and environment: docs/vllm-cpu.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -287,6 +288,21 @@ class VLLMServer:
             self.process.wait(timeout=30)
         except ProcessLookupError:
             pass
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: no shutdown, no goodbye to its peers."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def ec_port(self) -> int | None:
+        """The control port of this server's ECMooncakeConnector, if it has one."""
+        if "--ec-transfer-config" not in self.args:
+            return None
+        config = json.loads(self.args[self.args.index("--ec-transfer-config") + 1])
+        port = config.get("ec_port")
+        return int(port) if port is not None else None
 
     def log_tail(self, lines: int = 60) -> str:
         try:

