@@ -11,8 +11,12 @@ metadata-only references (no pixels), so it has nothing to encode locally.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -151,6 +155,23 @@ def test_mooncake_on_the_v1_runner_is_named_at_start_up_and_on_the_status_page(
         assert "WARNING" in log
         assert "epd: ECMooncakeConnector on the V1 model runner" in log
     assert f"({MOONCAKE_PUSH_WAIT:g} s)" in status(mooncake.pd_without_shim)["known_problems"][0]
+    # The operator's command, pointed at the PD, says it too.
+    encoders = ",".join(server.url for server in mooncake.encoders)
+    command = Path(sys.executable).parent / "epd-middleware"
+    result = subprocess.run(
+        [str(command), "check", "--encoders", encoders, "--pd", mooncake.pd.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={key: value for key, value in os.environ.items() if not key.startswith("EPD_")},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["pd"]["model_runner"] == "v1"
+    assert any(
+        line.startswith(f"pd {mooncake.pd.url}: ECMooncakeConnector on the V1 model runner")
+        for line in payload["warnings"]
+    )
 
 
 def test_mooncake_negative_control_without_the_shim_an_idle_pd_fails_after_the_push_wait(
