@@ -2,7 +2,10 @@
 (the middleware in each PD through the endpoint plugin) started side by side, the same requests sent to
 one pair and then the other, in rounds ordered A B B A so that drift in this shared machine's speed
 falls on both. Per cell (concurrency x images per request): the PD's request latency (median) and
-throughput (requests per second over the cell), and the ratio Mooncake / shared files.
+throughput (requests per second over the cell), the ratio Mooncake / shared files, and where vLLM says
+the PD's time went (its own per-request histograms: queue, i.e. waiting for the embedding to arrive and
+load; prefill, which includes ECExampleConnector's file read; decode), which separate the connector's
+part from the decode time that CPU contention between the servers on this machine makes vary.
 
     EPD_VLLM_PYTHON=... .venv/bin/python -m benchmarks.connectors [--rounds 2] [--requests 8]
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -39,6 +43,26 @@ def distinct_image() -> str:
     return data_url(png_rgba(squares=[((x + dx, y + dy), color) for (x, y), color in SQUARES]))
 
 
+PHASES = {
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+}
+
+
+def phase_totals(server: lab.VLLMServer) -> dict[str, tuple[float, float]]:
+    """vLLM's (sum, count) of each phase histogram on the server, from its /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    totals = {}
+    for phase, name in PHASES.items():
+        found = [
+            float(re.search(rf"^{re.escape(name)}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+            for part in ("sum", "count")
+        ]
+        totals[phase] = (found[0], found[1])
+    return totals
+
+
 async def cell(server: lab.VLLMServer, images: int, concurrency: int, requests: int) -> dict[str, Any]:
     bodies = [
         seed_request(lab.SERVED_MODEL, images=[distinct_image() for _ in range(images)])
@@ -55,12 +79,15 @@ async def cell(server: lab.VLLMServer, images: int, concurrency: int, requests: 
                 assert response.status_code == 200, response.text
                 latencies.append(time.perf_counter() - start)
 
+        before = phase_totals(server)
         started = time.perf_counter()
         async with anyio.create_task_group() as group:
             for body in bodies:
                 group.start_soon(one, body)
         wall = time.perf_counter() - started
-    return {"latencies": latencies, "wall": wall}
+        after = phase_totals(server)
+    phases = {phase: [after[phase][i] - before[phase][i] for i in (0, 1)] for phase in PHASES}
+    return {"latencies": latencies, "wall": wall, "phases": phases}
 
 
 def main() -> None:
@@ -113,10 +140,21 @@ def summary(name: str, runs: dict[str, list[dict[str, Any]]]) -> str:
         throughput = sum(len(run["latencies"]) for run in cells) / sum(run["wall"] for run in cells)
         figures[connector] = (latency, throughput)
     (el, et), (ml, mt) = figures["example"], figures["mooncake"]
-    return (
+    lines = [
         f"{name:28} latency p50 example {el * 1000:7.0f} ms  mooncake {ml * 1000:7.0f} ms  "
         f"ratio {ml / el:4.2f} | throughput example {et:5.2f}/s  mooncake {mt:5.2f}/s  ratio {mt / et:4.2f}"
-    )
+    ]
+    for phase in PHASES:
+        means = {}
+        for connector, cells in runs.items():
+            total = sum(run["phases"][phase][0] for run in cells)
+            count = sum(run["phases"][phase][1] for run in cells)
+            means[connector] = total / count * 1000 if count else float("nan")
+        lines.append(
+            f"{'':28}   vLLM {phase:7} mean example {means['example']:7.1f} ms  "
+            f"mooncake {means['mooncake']:7.1f} ms"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from epd_middleware import EPDConfig
+from epd_middleware import EPDConfig, Host
 from epd_middleware._metrics import Stats
 
 from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
@@ -136,6 +136,19 @@ async def test_status_endpoint() -> None:
     assert body["config"]["encoders"] == [E0, E1]
     assert "secret-enc" not in status.text
     assert "api_keys" not in body["config"]
+
+
+async def test_status_endpoint_names_the_runner_and_the_known_problems() -> None:
+    v1 = Host(ec_connector="ECMooncakeConnector", ec_consumer=True, model_runner="v1", push_wait_s=60)
+    for host, runner, problems in ((v1, "v1", 1), (Host(), None, 0)):
+        encoders, engine = FakeEncoders([E0]), FakeEngine()
+        app, _ = build_app(encoders, engine, host=host)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+            body = (await client.get("http://pd/epd/status")).json()
+        assert body["model_runner"] == runner
+        assert len(body["known_problems"]) == problems
+        if problems:
+            assert body["known_problems"][0].startswith("ECMooncakeConnector on the V1 model runner")
 
 
 async def test_status_endpoint_path_and_off_switch() -> None:
