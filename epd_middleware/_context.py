@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ._protocol import REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
+from ._scheduling import NO_SCHEDULING, Scheduling
 from .host import Host
 from .transport import Transport
 
@@ -33,14 +34,18 @@ class RequestContext:
     route: Route = NO_ROUTE
     # Encode every item again, reusing nothing (an engine retry: what it was given did not work).
     fresh: bool = False
+    # The priority and session id its calls carry, as vLLM reads them from the request.
+    scheduling: Scheduling = NO_SCHEDULING
 
     def again(self) -> RequestContext:
         """The context of an engine retry: nothing the first attempt got is reused."""
         return dataclasses.replace(self, fresh=True)
 
     def call_headers(self, suffix: str) -> dict[str, str]:
-        """The headers of one call: the request id with ``suffix`` (E and PD logs join on it), the key."""
+        """The headers of one call: the request id with ``suffix`` (E and PD logs join on it), the key,
+        the request's priority and session id."""
         headers = {_REQUEST_ID: f"{self.request_id}-{suffix}"}
         if self.authorization is not None:
             headers["authorization"] = self.authorization
+        headers.update(self.scheduling.headers)
         return headers

@@ -69,6 +69,8 @@ class EncodeJob(NamedTuple):
     # The first call that failed for good fails the request and cancels its siblings (the 'error'
     # policy); otherwise failed calls are returned for the 'local' policy.
     stop_at_first_failure: bool = True
+    # Fields over every encoder body (the request's session id where no header carries it).
+    extra_fields: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,10 +147,13 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
 
 def _requests(job: EncodeJob) -> Callable[[EncoderCall], EncoderRequest]:
     """How each call's body is made, per try."""
-    surface, request, push_to = job.surface, job.request, job.push_to
+    surface, request, push_to, extra = job.surface, job.request, job.push_to, job.extra_fields
     if push_to is None:
         # Built once: every try of a call sends the same body.
-        built = {id(call): EncoderRequest(surface.encoder_body(request, _parts(call))) for call in job.calls}
+        built = {
+            id(call): EncoderRequest(surface.encoder_body(request, _parts(call), None, extra))
+            for call in job.calls
+        }
         return lambda call: built[id(call)]
 
     def pushed(call: EncoderCall) -> EncoderRequest:
@@ -156,7 +161,7 @@ def _requests(job: EncodeJob) -> Callable[[EncoderCall], EncoderRequest]:
         # be confused with the retry's.
         ids = tuple(uuid_module.uuid4().hex for _ in call.items)
         params = {EC_CONSUMER_ZMQ: push_to, EC_ITEMS: [{EC_ITEM_TRANSFER_ID: tid} for tid in ids]}
-        return EncoderRequest(surface.encoder_body(request, _parts(call), params), ids)
+        return EncoderRequest(surface.encoder_body(request, _parts(call), params, extra), ids)
 
     return pushed
 

@@ -196,6 +196,7 @@ class EncodeStage:
             storage=context.host.storage,
             expected={key: value for key, value in found.expected.items() if value is not None},
             stop_at_first_failure=self.config.on_encoder_failure != "local",
+            extra_fields=context.scheduling.encoder_fields,
         )
 
     def _left_to_the_engine(

@@ -116,6 +116,7 @@ class Exchange:
             authorization=_latin1(first_header(headers, b"authorization")),
             headers=headers,
             route=self.route,
+            surface=self.surface,
         )
         retries = pipeline.config.engine_retries
         for attempt in range(retries + 1):

@@ -35,6 +35,7 @@ from ._protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
 from ._rawjson import text_of
 from ._reuse import HandleCache, reuse_blocker
 from ._scheduler import NO_ROUTE, Route, Scheduler
+from ._scheduling import NO_SCHEDULING, scheduling_of
 from ._surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .config import EPDConfig
 from .errors import (
@@ -153,16 +154,22 @@ class Pipeline:
         authorization: str | None,
         headers: Iterable[tuple[bytes, bytes]],
         route: Route = NO_ROUTE,
+        surface: Surface | None = None,
     ) -> RequestContext:
         """The request's context: where its embeddings are pushed (and the engine rank pinned for it),
-        the key its calls carry (the client's own with ``forward_authorization``). Inside vLLM the model
-        the servers must serve is known from now on."""
+        the key its calls carry (the client's own with ``forward_authorization``), its priority and
+        session id as vLLM reads them on ``surface``. Inside vLLM the model the servers must serve is
+        known from now on."""
+        headers = tuple(headers)
         push_to, pin_rank = host.push_target(headers) if request.media else (None, None)
         if self.expectation is None and host.expectation is not None and self.config.check_models:
             self.expect(host.expectation)
         if not self.config.forward_authorization or authorization is None:
             authorization = self.config.encoder_authorization
-        return RequestContext(transport, request_id, host, authorization, push_to, pin_rank, route)
+        scheduling = scheduling_of(surface, request.fields, headers) if surface is not None else NO_SCHEDULING
+        return RequestContext(
+            transport, request_id, host, authorization, push_to, pin_rank, route, scheduling=scheduling
+        )
 
     # The body for the engine -------------------------------------------------------------------------
 

@@ -123,6 +123,13 @@ DATA_PARALLEL_RANK_HEADER: Final = b"x-data-parallel-rank"
 
 # vLLM takes the request id from this header (``_base_request_id``); E and PD logs join on it.
 REQUEST_ID_HEADER: Final = b"x-request-id"
+# vLLM reads a request's priority from this header before the body's ``priority`` (chat, completions,
+# Responses; not the batch route), and its session id from the body's ``session_id``, then this header,
+# then ``vllm_xargs.session_id`` (``entrypoints/generate/base/serving.py``: ``PRIORITY_HEADER``,
+# ``SESSION_ID_HEADER``, ``_get_priority``, ``_get_session_id``; 0.32 and 0.33 alike).
+PRIORITY_HEADER: Final = b"x-vllm-priority"
+SESSION_ID_HEADER: Final = b"x-session-id"
+SESSION_ID: Final = "session_id"
 
 # vLLM answers a chat completion with "id": "chatcmpl-<x-request-id>" (``entrypoints/openai/
 # chat_completion/serving.py``), and an Anthropic Messages request, which it serves as a chat completion,

@@ -697,3 +697,18 @@ def test_generated_request_ids_are_unique_and_drawn_anew_in_a_forked_child(
     monkeypatch.setattr(module.os, "getpid", lambda: -7)  # what a forked child sees: another pid
     child = module._new_request_id()
     assert child[:16] != parent[:16]
+
+
+async def test_the_client_s_priority_and_session_headers_reach_every_encoder_call() -> None:
+    """vLLM reads both from headers too (X-Vllm-Priority before the body's priority, X-Session-ID after
+    the body's session_id): the encoders must schedule the request as the local engine does."""
+    encoders, engine = FakeEncoders([E0, E1]), FakeEngine()
+    app, _ = build_app(encoders, engine, max_batch_size=1)
+    headers = {"x-vllm-priority": "9", "x-session-id": "chat-42"}
+    response = await post(app, chat_body(image(png(1)), image(png(2))), headers=headers)
+    assert response.status_code == 200
+    assert len(encoders.calls) == 2
+    for call in encoders.calls:
+        assert call.headers["x-vllm-priority"] == "9"
+        assert call.headers["x-session-id"] == "chat-42"
+    assert engine.received[0].headers["x-vllm-priority"] == "9"  # and the engine's request keeps them

@@ -7,6 +7,7 @@ Each test reads the exact bodies the servers were sent and the body the local en
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,14 @@ from epd_middleware._pipeline import Pipeline
 from epd_middleware._plan import content_uuid
 from epd_middleware._protocol import EXAMPLE_CONNECTOR_FILE, PREFILL_KV_TRANSFER_PARAMS
 from epd_middleware._scheduler import NO_ROUTE, Route
-from epd_middleware._surfaces import ParsedRequest, Surface, anthropic_messages, openai_chat, openai_responses
+from epd_middleware._surfaces import (
+    ParsedRequest,
+    Surface,
+    anthropic_messages,
+    openai_chat,
+    openai_chat_batch,
+    openai_responses,
+)
 from epd_middleware.errors import (
     NoHealthyUpstream,
     Overloaded,
@@ -59,6 +67,7 @@ REQUEST_ID = "req-1"
 CHAT = openai_chat.SURFACE
 MESSAGES = anthropic_messages.SURFACE
 RESPONSES = openai_responses.SURFACE
+BATCH = openai_chat_batch.SURFACE
 # Every option the encoder must see as the engine does (the size override makes the small grid).
 OPTIONS: dict[str, Any] = {
     "mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 50176}},
@@ -127,6 +136,7 @@ def context_of(
     authorization: str | None = None,
     headers: tuple[tuple[bytes, bytes], ...] = (),
     route: Route = NO_ROUTE,
+    surface: Surface | None = None,
 ) -> RequestContext:
     return pipe.context(
         request,
@@ -136,6 +146,7 @@ def context_of(
         authorization=authorization,
         headers=headers,
         route=route,
+        surface=surface,
     )
 
 
@@ -154,7 +165,8 @@ async def run(
 ) -> Any:
     """Parse, make the context and prepare: the engine's body, decoded."""
     request = parsed(pipe, body, surface)
-    return await prepared(pipe, surface, request, context_of(pipe, request, transport, host, **context))
+    context = context_of(pipe, request, transport, host, surface=surface, **context)
+    return await prepared(pipe, surface, request, context)
 
 
 def encoders(*urls: str, storage: Path | None = None) -> FakeTransport:
@@ -733,3 +745,106 @@ async def test_with_model_checks_off_a_hosts_model_sets_no_expectation() -> None
     request = parsed(pipe, chat_body(image(1)))
     context_of(pipe, request, encoders(E0), Host(expectation=Expectation(frozenset({MODEL}))))
     assert pipe.expectation is None
+
+
+# --- priority and session id, as vLLM reads them ---------------------------------------------------------
+
+
+def vllm_reads(route: str, headers: dict[str, str], body: dict[str, Any]) -> tuple[Any, str | None]:
+    """The priority and session id vLLM 0.32/0.33 gives a request on ``route``
+    (``entrypoints/generate/base/serving.py`` ``_get_priority``, ``_get_session_id``; the batch route
+    takes the body's priority alone; a Messages request becomes a chat request without the body's
+    fields)."""
+    fields = body if route != "/v1/messages" else {}
+    priority: Any = fields.get("priority", 0)
+    if route != "/v1/chat/completions/batch" and "x-vllm-priority" in headers:
+        with contextlib.suppress(ValueError):
+            priority = int(headers["x-vllm-priority"])
+    xargs = fields.get("vllm_xargs") or {}
+    for session in (fields.get("session_id"), headers.get("x-session-id"), xargs.get("session_id")):
+        if isinstance(session, str) and session:
+            return priority, session
+    return priority, None
+
+
+SCHEDULING_CASES = [
+    ({"x-vllm-priority": "7"}, {}),
+    ({"x-vllm-priority": "7"}, {"priority": 3}),
+    ({"x-vllm-priority": "-2"}, {"priority": 3, "session_id": "body"}),
+    ({"x-vllm-priority": "soon"}, {"priority": 3}),  # not a number: the body's
+    ({"x-session-id": "header"}, {}),
+    ({"x-session-id": "header"}, {"session_id": "body"}),
+    ({"x-session-id": "header"}, {"vllm_xargs": {"session_id": "xargs"}}),
+    ({"x-session-id": ""}, {"vllm_xargs": {"session_id": "xargs"}}),
+    ({}, {"vllm_xargs": {"session_id": "xargs"}}),
+    ({}, {"session_id": "", "vllm_xargs": {"session_id": "xargs"}}),
+    ({}, {"vllm_xargs": {"session_id": "会话-1"}}),  # no header carries it: the encoder's body does
+    ({}, {"vllm_xargs": {"session_id": " padded "}}),  # a header would lose the spaces
+    ({}, {"vllm_xargs": {"session_id": "tab\there"}}),
+    ({"x-vllm-priority": "4", "x-session-id": "header"}, {"priority": 1, "session_id": "body"}),
+]
+
+
+def raw_headers(headers: dict[str, str]) -> tuple[tuple[bytes, bytes], ...]:
+    return tuple((name.encode(), value.encode("latin-1")) for name, value in headers.items())
+
+
+@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
+async def test_every_encoder_and_prefill_call_is_scheduled_as_vllm_reads_the_chat_request(
+    headers: dict[str, str], fields: dict[str, Any]
+) -> None:
+    pipe = pipeline(encoders=(E0, E1), prefill=(P0,), max_batch_size=1)
+    transport = FakeTransport({E0: vllm(), E1: vllm(), P0: vllm(prefill_answer)})
+    body = chat_body(image(1), image(2), **fields)
+    out = await run(pipe, body, transport, headers=raw_headers(headers))
+    expected = vllm_reads("/v1/chat/completions", headers, body)
+    assert vllm_reads("/v1/chat/completions", headers, out) == expected  # the engine's own request
+    calls = transport.posts()
+    assert sorted(call.server for call in calls) == [E0, E1, P0]
+    for call in calls:
+        assert vllm_reads("/v1/chat/completions", call.headers, call.json) == expected, call
+
+
+@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
+async def test_responses_calls_are_scheduled_as_vllm_reads_the_request(
+    headers: dict[str, str], fields: dict[str, Any]
+) -> None:
+    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
+    body = {
+        "model": MODEL,
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url(1)}]}],
+        **fields,
+    }
+    await run(pipe, body, transport, surface=RESPONSES, headers=raw_headers(headers))
+    [call] = transport.posts()
+    assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(
+        "/v1/responses", headers, body
+    )
+
+
+@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
+async def test_messages_calls_carry_the_headers_vllm_reads_and_nothing_from_the_body(
+    headers: dict[str, str], fields: dict[str, Any]
+) -> None:
+    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
+    body = messages_body(image_block(1), **fields)
+    await run(pipe, body, transport, surface=MESSAGES, headers=raw_headers(headers))
+    [call] = transport.posts()
+    assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(
+        "/v1/messages", headers, body
+    )
+
+
+@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
+async def test_batch_calls_are_scheduled_as_vllm_reads_the_batch(
+    headers: dict[str, str], fields: dict[str, Any]
+) -> None:
+    """The batch route takes its priority from the body alone: the header must not reach the encoder."""
+    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
+    conversation = [{"role": "user", "content": [TEXT, image(1)]}]
+    body = {"model": MODEL, "messages": [conversation, conversation], "max_tokens": 4, **fields}
+    await run(pipe, body, transport, surface=BATCH, headers=raw_headers(headers))
+    for call in transport.posts():
+        assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(
+            "/v1/chat/completions/batch", headers, body
+        )

@@ -145,16 +145,26 @@ class Surface:
     where: Callable[[tuple[int, ...]], str]
     # Why a request cannot be prefilled on another server (it refers to state kept here), or None.
     prefill_blocker: Callable[[Mapping[str, Any]], str | None] = no_prefill_blocker
+    # Whether vLLM takes this surface's priority from the X-Vllm-Priority header (not on the batch
+    # route: it reads the body's alone).
+    reads_priority_header: bool = True
+    # Whether vLLM reads ``priority``, ``session_id`` and ``vllm_xargs`` from this surface's body
+    # (not from a Messages body: it builds a chat request without them).
+    reads_scheduling_fields: bool = True
 
     def encoder_body(
         self,
         request: ParsedRequest,
         parts: Sequence[Mapping[str, Any]],
         ec_transfer_params: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> Body:
         """A chat-completions request that makes an encoder-only vLLM instance encode ``parts``, with
-        the per-request options the local engine will apply where it pins uuids (none otherwise)."""
+        the per-request options the local engine will apply where it pins uuids (none otherwise), and
+        ``extra`` fields over them (a session id that cannot travel as a header)."""
         options = forwarded_options(request) if self.pins_uuids else {}
+        if extra:
+            options = {**options, **extra}
         return encoder_request(
             request.fields.get(p.MODEL), parts, options, ec_transfer_params, compat=request.compat
         )

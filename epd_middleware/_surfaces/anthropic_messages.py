@@ -126,6 +126,7 @@ SURFACE = Surface(
     field=p.MESSAGES,
     # No uuid and no options for the encoder: the engine hashes each image's content itself.
     pins_uuids=False,
+    reads_scheduling_fields=False,
     # Messages has no metadata-only image block.
     rewrites=False,
     may_hold_media=may_hold_media,

@@ -93,4 +93,5 @@ SURFACE = Surface(
     prefill_limits=prefill_limits,
     where=where,
     prefill_blocker=prefill_blocker,
+    reads_priority_header=False,
 )

@@ -1,0 +1,82 @@
+"""A request's priority and session id as vLLM reads them, for every encoder and prefill call it makes.
+
+vLLM takes both from headers as well as from the body (:mod:`epd_middleware._protocol`,
+``PRIORITY_HEADER``), so forwarding the body fields alone would send a client's header-given priority
+and session to the encoders at the default priority and without the session. The calls carry:
+
+- ``X-Vllm-Priority`` as the client sent it (its first value), on surfaces where vLLM reads it: the
+  server called then resolves header against body (forwarded with the options) exactly as this server;
+- the effective session id (body ``session_id``, else ``X-Session-ID``, else ``vllm_xargs.session_id``,
+  each only when a non-empty string), as ``X-Session-ID`` where it came from a header or can be written as
+  one unchanged; a session id from ``vllm_xargs`` that cannot (characters beyond Latin-1, controls, or
+  spaces a parser would strip) goes into the encoder's body as ``session_id`` instead. A body's own
+  ``session_id`` already travels in the encoder's body and in the prefill request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from ._asgi import first_header
+from ._protocol import PRIORITY_HEADER, SESSION_ID, SESSION_ID_HEADER, VLLM_XARGS
+from ._surfaces import Surface
+
+__all__ = ["NO_SCHEDULING", "Scheduling", "scheduling_of"]
+
+_PRIORITY = PRIORITY_HEADER.decode()
+_SESSION = SESSION_ID_HEADER.decode()
+
+
+class Scheduling(NamedTuple):
+    """What every call of one request carries so that it is scheduled as the request is."""
+
+    # Header name and value pairs for each encoder and prefill call.
+    headers: tuple[tuple[str, str], ...] = ()
+    # Fields over the encoder's body (a session id no header can carry unchanged).
+    encoder_fields: Mapping[str, Any] = MappingProxyType({})
+
+
+NO_SCHEDULING = Scheduling()
+
+
+def scheduling_of(
+    surface: Surface, fields: Mapping[str, Any], headers: Iterable[tuple[bytes, bytes]]
+) -> Scheduling:
+    """The request's scheduling hints, read in vLLM's order."""
+    headers = tuple(headers)
+    calls: list[tuple[str, str]] = []
+    if surface.reads_priority_header:
+        priority = first_header(headers, PRIORITY_HEADER)
+        if priority is not None:
+            calls.append((_PRIORITY, priority.decode("latin-1")))
+    body_session = fields.get(SESSION_ID) if surface.reads_scheduling_fields else None
+    if _given(body_session):
+        return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
+    header_session = first_header(headers, SESSION_ID_HEADER)
+    if header_session:
+        calls.append((_SESSION, header_session.decode("latin-1")))
+        return Scheduling(tuple(calls))
+    xargs = fields.get(VLLM_XARGS) if surface.reads_scheduling_fields else None
+    xargs_session = xargs.get(SESSION_ID) if isinstance(xargs, dict) else None
+    if not _given(xargs_session):
+        return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
+    assert isinstance(xargs_session, str)
+    if _header_safe(xargs_session):
+        calls.append((_SESSION, xargs_session))
+        return Scheduling(tuple(calls))
+    return Scheduling(tuple(calls), MappingProxyType({SESSION_ID: xargs_session}))
+
+
+def _given(value: object) -> bool:
+    """A session id vLLM takes: a non-empty string (``if request.session_id:``)."""
+    return isinstance(value, str) and bool(value)
+
+
+def _header_safe(value: str) -> bool:
+    """Whether a header carries ``value`` unchanged: Latin-1 without controls, and no leading or trailing
+    space or tab (HTTP parsers strip them)."""
+    if value != value.strip(" \t"):
+        return False
+    return all(char == "\t" or (" " <= char <= "\xff" and char != "\x7f") for char in value)
