@@ -74,7 +74,7 @@ class Exchange:
     async def run(self) -> None:
         pipeline = self.pipeline
         if pipeline.config.authenticate and not self.host.authorizes(self.scope["headers"]):
-            await send_error(self.send, Unauthorized())
+            await self._answer(Unauthorized())
             return
         try:
             if self.scheduled is not None:
@@ -85,7 +85,7 @@ class Exchange:
             return
         except EPDError as exc:
             pipeline.stats.request(f"error_{exc.status}")
-            await send_error(self.send, exc)
+            await self._answer(exc)
             return
         if request is None:
             pipeline.stats.request("passed_through")
@@ -128,7 +128,7 @@ class Exchange:
                 )
             except EPDError as exc:
                 pipeline.stats.request(f"error_{exc.status}")
-                await send_error(self.send, exc)
+                await self._answer(exc)
                 return
             finally:
                 caller.preparing = False
@@ -162,6 +162,10 @@ class Exchange:
                 attempt + 1,
                 retries,
             )
+
+    async def _answer(self, error: EPDError) -> None:
+        """The middleware's own error, in the surface's language (Anthropic's on Messages)."""
+        await send_error(self.send, error, self.surface.error_body(error))
 
     async def _read_body(self) -> bytes:
         limit = self.pipeline.config.max_body_bytes

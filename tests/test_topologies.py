@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -609,3 +610,50 @@ async def test_large_media_bodies_equal_those_of_a_plain_decode(
     assert sorted(map(json.dumps, raw_path[0])) == sorted(map(json.dumps, plain_path[0]))
     assert raw_path[1] == plain_path[1]  # the engine's body, byte for byte
     assert raw_path[2] == plain_path[2]
+
+
+# The middleware's own errors on /v1/messages, as vLLM 0.33 answers there (Anthropic's envelope and
+# vocabulary); the same errors on chat keep OpenAI's.
+ANTHROPIC_ERRORS = [
+    ({"api_keys": ["k"]}, {}, 401, "authentication_error"),
+    ({"max_media_items": 1}, {}, 400, "invalid_request_error"),
+    ({"max_body_bytes": 200}, {}, 413, "request_too_large"),
+    ({"on_encoder_failure": "error"}, {E0: "500"}, 502, "api_error"),
+    ({"on_encoder_failure": "error", "encoder_timeout": 0.05}, {E0: "hang"}, 504, "api_error"),
+]
+
+
+@pytest.mark.parametrize(("options", "mode", "status", "kind"), ANTHROPIC_ERRORS)
+async def test_messages_errors_speak_anthropic(
+    options: dict[str, Any], mode: dict[str, str], status: int, kind: str
+) -> None:
+    encoders, engine = FakeEncoders([E0], mode=mode), FakeEngine()
+    app, _ = build_app(encoders, engine, **options)
+    body = messages_body(image_block(png(1)), image_block(png(2)))
+    response = await post(app, body, path="/v1/messages")
+    assert response.status_code == status
+    payload = response.json()
+    assert payload["type"] == "error"
+    assert set(payload["error"]) == {"type", "message"}
+    assert payload["error"]["type"] == kind
+    assert payload["error"]["message"]
+    if status == 401:
+        assert response.headers["www-authenticate"] == "Bearer"
+    chat = await post(app, chat_body(image(png(1)), image(png(2))))
+    assert chat.status_code == status
+    assert set(chat.json()) == {"error"}
+    assert chat.json()["error"]["code"] == status  # OpenAI's shape on chat
+
+
+async def test_an_overloaded_pd_answers_messages_with_overloaded_error_and_retry_after() -> None:
+    encoders, engine = FakeEncoders([E0], mode={E0: "hang"}), FakeEngine()
+    app, _ = build_app(encoders, engine, max_pending_requests=1, encoder_timeout=2, retry_after=3)
+    body = messages_body(image_block(png(1)))
+    async with anyio.create_task_group() as group:
+        group.start_soon(post, app, body, "/v1/messages")
+        await anyio.sleep(0.2)  # the first request now waits for its encoder
+        response = await post(app, messages_body(image_block(png(2))), path="/v1/messages")
+        group.cancel_scope.cancel()
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "overloaded_error"
+    assert response.headers["retry-after"] == "3"

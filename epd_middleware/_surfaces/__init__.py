@@ -19,7 +19,7 @@ from epd_middleware import _protocol as p
 from epd_middleware import _rawjson
 from epd_middleware._http import Body
 from epd_middleware._rawjson import Raw, text_of
-from epd_middleware.errors import UnreadableRequest
+from epd_middleware.errors import EPDError, UnreadableRequest
 
 __all__ = [
     "Body",
@@ -111,6 +111,11 @@ EngineFields = Callable[
 ]
 
 
+def openai_error_body(error: EPDError) -> bytes:
+    """An error in OpenAI's shape, as vLLM answers on its OpenAI routes."""
+    return error.body()
+
+
 def no_prefill_blocker(fields: Mapping[str, Any]) -> str | None:
     """For surfaces whose requests carry all they need: any prefill server can take them."""
     return None
@@ -151,6 +156,8 @@ class Surface:
     # Whether vLLM reads ``priority``, ``session_id`` and ``vllm_xargs`` from this surface's body
     # (not from a Messages body: it builds a chat request without them).
     reads_scheduling_fields: bool = True
+    # The body of the middleware's own error answers, in the surface's language.
+    error_body: Callable[[EPDError], bytes] = openai_error_body
 
     def encoder_body(
         self,

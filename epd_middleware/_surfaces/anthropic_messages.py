@@ -23,6 +23,7 @@ import msgspec
 
 from epd_middleware import _protocol as p
 from epd_middleware._rawjson import raw_text, text_of
+from epd_middleware.errors import EPDError
 
 from . import MediaPart, ParsedRequest, Raw, Surface, Unusable, checked_messages, parse_with, with_handles
 
@@ -121,12 +122,38 @@ def prefill_limits(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {p.MAX_TOKENS: 1, p.STREAM: False}
 
 
+# Anthropic's error vocabulary by status, as vLLM 0.33 answers on /v1/messages
+# (``entrypoints/anthropic/protocol.py`` ``translate_error_type``); 0.32 used the same envelope with its
+# OpenAI type names inside.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+_encode_error = msgspec.json.Encoder().encode
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(error: EPDError) -> bytes:
+    """``{"type": "error", "error": {"type": ..., "message": ...}}``: what Anthropic's SDKs read."""
+    detail = {"type": error_type(error.status), "message": error.message}
+    return _encode_error({"type": "error", "error": detail})
+
+
 SURFACE = Surface(
     path=p.MESSAGES_PATH,
     field=p.MESSAGES,
     # No uuid and no options for the encoder: the engine hashes each image's content itself.
     pins_uuids=False,
     reads_scheduling_fields=False,
+    error_body=error_body,
     # Messages has no metadata-only image block.
     rewrites=False,
     may_hold_media=may_hold_media,
