@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._plan import MediaItem
-from ._protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ITEM_INDICES, METADATA
+from ._protocol import EC_ITEM_MM_HASH, EC_ITEM_TRANSFER_ID, ENTRY_MODALITY, ITEM_INDICES, METADATA
 from .errors import UpstreamBadReply
 
 __all__ = [
@@ -58,6 +58,14 @@ def match_reply(encoder: str, items: Sequence[MediaItem], ec_transfer_params: An
     matched: dict[int, Handle] = {}
 
     def assign(index: int, handle: Handle) -> None:
+        reported = handle.entry.get(ENTRY_MODALITY)
+        if reported is not None and reported != items[index].modality:
+            # The entry would reference an embedding of another kind than the item's placeholder.
+            raise UpstreamBadReply(
+                encoder,
+                f"ec_transfer_params entry {handle.mm_hash[:80]!r} reports modality {str(reported)[:40]!r} "
+                f"for item {index}, which is {items[index].modality!r}",
+            )
         if index in matched:
             raise UpstreamBadReply(
                 encoder,

@@ -89,6 +89,8 @@ VLLM_XARGS: Final = "vllm_xargs"
 # Inside one ec_transfer_params entry reported by an encoder.
 ITEM_INDICES: Final = "item_indices"
 METADATA: Final = "metadata"
+# vLLM 0.33: the item's modality ("image", "video", "audio"; ``ec_connector/utils.py``); absent in 0.32.
+ENTRY_MODALITY: Final = "modality"
 
 # Remote prefill (P/D disaggregation). The prefill request asks P to keep the KV cache for a remote
 # decoder and to stop after one token (vLLM's P/D proxies: tests/v1/kv_connector/nixl_integration/

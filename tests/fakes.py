@@ -81,9 +81,10 @@ def item_metadata(modality: str, body: Mapping[str, Any]) -> dict[str, Any]:
     return {"video_grid_thw": [2, 12, 18]}
 
 
-def reported_entries(body: Mapping[str, Any]) -> dict[str, Any]:
+def reported_entries(body: Mapping[str, Any], version: str = "0.32") -> dict[str, Any]:
     """The ``ec_transfer_params`` an encoder reports for a chat-completions body: per media part i, its
-    hash -> ``{"item_indices": [i], "metadata": ...}``."""
+    hash -> ``{"item_indices": [i], "metadata": ...}``; vLLM 0.33 adds ``"modality"`` to each entry
+    (``ec_connector/utils.py``)."""
     entries: dict[str, Any] = {}
     for index, part in enumerate(body["messages"][0]["content"]):
         modality = part_modality(part)
@@ -94,6 +95,8 @@ def reported_entries(body: Mapping[str, Any]) -> dict[str, Any]:
         else:
             mm_hash = derived_hash(body["model"], uuid, modality, body)
         entries[mm_hash] = {"item_indices": [index], "metadata": item_metadata(modality, body)}
+        if version != "0.32":
+            entries[mm_hash] = {"modality": modality, **entries[mm_hash]}
     return entries
 
 
@@ -124,7 +127,8 @@ class FakeEncoders:
     """Any number of fake encoders behind one httpx transport, keyed by base URL.
 
     ``mode[url]`` makes an encoder misbehave: "ok", "500", "400", "hang", "refuse", "garbage",
-    "not_object", "no_entries", "empty_metadata", "bad_indices", "unmatched", "drop_connection".
+    "not_object", "no_entries", "empty_metadata", "bad_indices", "unmatched", "drop_connection",
+    "wrong_modality" (0.33's ``modality`` naming another one), "bad_modality" (not a string).
     """
 
     urls: list[str]
@@ -138,6 +142,8 @@ class FakeEncoders:
     storage: Path | None = None
     skip_store: set[str] = field(default_factory=set)
     delay: float = 0.0
+    # The vLLM version whose answer shape the encoders give ("0.32", "0.33": entries name a modality).
+    version: str = "0.32"
     in_flight: dict[str, int] = field(default_factory=dict)
     peak_in_flight: dict[str, int] = field(default_factory=dict)
     health_status: dict[str, int] = field(default_factory=dict)
@@ -206,13 +212,17 @@ class FakeEncoders:
         return httpx.Response(200, json=reply)
 
     def reply(self, body: dict[str, Any], mode: str, request_id: str | None = None) -> dict[str, Any]:
-        entries = reported_entries(body)
+        entries = reported_entries(body, self.version)
         if mode == "no_entries":
             entries = {}
         elif mode == "empty_metadata":
             entries = {key: {**entry, "metadata": {}} for key, entry in entries.items()}
         elif mode == "bad_indices":
             entries = {key: {**entry, "item_indices": [99]} for key, entry in entries.items()}
+        elif mode == "wrong_modality":
+            entries = {key: {**entry, "modality": "audio"} for key, entry in entries.items()}
+        elif mode == "bad_modality":
+            entries = {key: {**entry, "modality": ["image"]} for key, entry in entries.items()}
         elif mode == "unmatched":
             parts = body["messages"][0]["content"]
             entries = {f"nope-{i}": {"metadata": {"x": 1}} for i in range(len(parts) + 1)}

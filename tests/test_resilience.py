@@ -19,6 +19,7 @@ from .fakes import (
     FakeEncoders,
     FakeEngine,
     app_with_encoder_handler,
+    audio,
     build_app,
     chat_body,
     image,
@@ -29,7 +30,18 @@ from .test_middleware import http_scope, media_parts, png, post
 pytestmark = pytest.mark.anyio
 
 E0, E1, E2 = "http://enc-0:8001", "http://enc-1:8001", "http://enc-2:8001"
-FAILURES = ["500", "refuse", "hang", "garbage", "not_object", "drop_connection", "bad_indices", "unmatched"]
+FAILURES = [
+    "500",
+    "refuse",
+    "hang",
+    "garbage",
+    "not_object",
+    "drop_connection",
+    "bad_indices",
+    "unmatched",
+    "wrong_modality",
+    "bad_modality",
+]
 
 
 @pytest.mark.parametrize("mode", FAILURES)
@@ -461,3 +473,32 @@ async def test_text_only_requests_pass_without_touching_the_encoders_even_when_a
     raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
     assert (await post(app, raw)).status_code == 200
     assert engine.received[0].body == raw
+
+
+@pytest.mark.parametrize("mode", ["wrong_modality", "bad_modality"])
+async def test_an_entry_whose_modality_contradicts_its_item_is_a_bad_answer(mode: str) -> None:
+    """vLLM 0.33 names each entry's modality: one that is not the item's would make PD reference an
+    embedding of another kind."""
+    encoders, engine = FakeEncoders([E0], mode={E0: mode}, version="0.33"), FakeEngine()
+    app, _ = build_app(encoders, engine, on_encoder_failure="error")
+    response = await post(app, chat_body(image(png(1))))
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert E0 in message
+    assert "reports modality" in message
+    assert "'image'" in message
+    assert engine.received == []
+
+
+async def test_answers_of_either_vllm_version_give_the_engine_the_same_request_but_the_entry() -> None:
+    bodies = {}
+    for version in ("0.32", "0.33"):
+        encoders, engine = FakeEncoders([E0], version=version), FakeEngine()
+        app, _ = build_app(encoders, engine)
+        body = chat_body(image(png(1)), audio(png(2)), image(png(3)))
+        assert (await post(app, body)).status_code == 200
+        bodies[version] = engine.received[0].json
+    newer = bodies["0.33"]
+    entries = newer.pop("ec_transfer_params")
+    assert sorted(entry.pop("modality") for entry in entries.values()) == ["audio", "image", "image"]
+    assert {**newer, "ec_transfer_params": entries} == bodies["0.32"]
