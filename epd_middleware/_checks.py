@@ -3,14 +3,15 @@ embedding this server cannot confirm it has, and media this server's own policy 
 
 from __future__ import annotations
 
+from ._media_budget import known_decoded_bytes
 from ._media_policy import MediaPolicy
 from ._metrics import Stats
 from ._protocol import embedding_stored
 from ._surfaces import ParsedRequest, Surface
-from .errors import MediaRefused, UnresolvableReference
+from .errors import MediaBudgetExceeded, MediaRefused, UnresolvableReference
 from .host import Host
 
-__all__ = ["check_media_policy", "check_references"]
+__all__ = ["check_media_budget", "check_media_policy", "check_references"]
 
 
 def check_references(surface: Surface, request: ParsedRequest, host: Host, stats: Stats) -> None:
@@ -55,3 +56,15 @@ async def check_media_policy(surface: Surface, request: ParsedRequest, policy: M
         refusal = await policy.refusal(url)
         if refusal is not None:
             raise MediaRefused(refusal, param=surface.field)
+
+
+def check_media_budget(surface: Surface, request: ParsedRequest, limit: int) -> None:
+    """A request whose images alone pass vLLM's per-request decode budget is refused as vLLM refuses it
+    (:mod:`epd_middleware._media_budget`): split over encoders, each share would pass."""
+    known = known_decoded_bytes(request.media)
+    if known > limit:
+        raise MediaBudgetExceeded(
+            f"Request decoded media exceeds VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES={limit} ({known} bytes for "
+            "its images alone).",
+            param=surface.field,
+        )

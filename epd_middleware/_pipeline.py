@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio.abc
 
-from ._checks import check_media_policy, check_references
+from ._checks import check_media_budget, check_media_policy, check_references
 from ._compat import Expectation
 from ._context import RequestContext
 from ._discovery import Discovery
@@ -187,6 +187,9 @@ class Pipeline:
         check_references(surface, request, context.host, self.stats)
         if context.host.media_policy is not None:
             await check_media_policy(surface, request, context.host.media_policy)
+        budget = context.host.media_decode_budget
+        if budget is not None and len(request.media) > 1:  # one item goes whole to one encoder
+            check_media_budget(surface, request, budget)
         if self.pending >= config.max_pending_requests:
             raise Overloaded(
                 f"{self.pending} requests are already waiting for encoders or prefill; retry later",

@@ -14,6 +14,7 @@ __all__ = [
     "BodyTooLarge",
     "EPDError",
     "ForbiddenTarget",
+    "MediaBudgetExceeded",
     "MediaRefused",
     "NoHealthyUpstream",
     "Overloaded",
@@ -144,6 +145,13 @@ class Unauthorized(EPDError):
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"www-authenticate", b"Bearer")]
+
+
+class MediaBudgetExceeded(EPDError):
+    """A request whose media vLLM would refuse to decode as a whole (its per-request budget), though
+    each encoder's share would pass."""
+
+    status = 400
 
 
 class ForbiddenTarget(EPDError):

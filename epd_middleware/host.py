@@ -72,6 +72,9 @@ class Host:
     # How long the engine waits for a pushed embedding before failing the request (Mooncake
     # ``push_wait_timeout_s``); None without push.
     push_wait_s: float | None = None
+    # vLLM's budget of decoded media bytes per request (VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES, 0.33);
+    # None where the server has none.
+    media_decode_budget: int | None = None
     _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _next_rank: int = field(init=False, default=0, repr=False, compare=False)
 
@@ -132,6 +135,7 @@ class Host:
             trusts_request_mm_kwargs=bool(getattr(args, "trust_request_mm_kwargs", True)),
             model_runner=_model_runner(vllm_config),
             push_wait_s=_push_wait(ec),
+            media_decode_budget=_media_decode_budget(),
         )
         if config is not None:
             host._announce(config)
@@ -305,6 +309,18 @@ def _model_runner(vllm_config: object) -> str | None:
     if not isinstance(uses_v2, bool):
         return None
     return "v2" if uses_v2 else "v1"
+
+
+def _media_decode_budget() -> int | None:
+    """vLLM's own reading of ``VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES`` (``envs.py``: 715,827,880 by
+    default, 0 or less turns it off); None before vLLM 0.33, which has no such budget."""
+    try:
+        from vllm import envs  # type: ignore[import-not-found, unused-ignore]
+
+        limit = envs.VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES
+    except Exception:  # not vLLM, a vLLM without the budget, or a value vLLM itself cannot read
+        return None
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def _push_wait(ec: object) -> float | None:

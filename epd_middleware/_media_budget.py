@@ -1,0 +1,128 @@
+"""vLLM's budget of decoded media per request, kept when a request's media is split over encoders.
+
+vLLM 0.33 charges every image it decodes for one request ``width * height * 4`` bytes against
+``VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES`` (``multimodal/media/image.py`` ``load_bytes``,
+``multimodal/media/base.py`` ``MediaDecodedBudget``) and refuses the request once the total passes it.
+Split over several encoder calls, each encoder charges only its share, so E + PD would accept what a
+single instance refuses. The PD never decodes the media itself (it gets metadata-only references), so
+the middleware sums what it can know before any call: the size an image's own header gives, for images
+sent inline (base64 data URLs in PNG, JPEG, GIF, WebP or BMP). Remote URLs, video and audio only add to
+what vLLM would charge, so a request whose known images alone pass the budget is surely refused by a
+single instance too, and is refused here with vLLM's status (400) and words.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections.abc import Sequence
+
+from ._rawjson import Raw, raw_text
+from ._surfaces import MediaPart
+
+__all__ = ["decoded_image_bytes", "known_decoded_bytes"]
+
+_DATA = b"data:"
+_BASE64 = b";base64,"
+# Base64 characters decoded at most to find a JPEG's frame header (after its EXIF and other segments).
+_PREFIXES = (4096, 65536, 1 << 20)
+_JPEG_FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def known_decoded_bytes(media: Sequence[MediaPart]) -> int:
+    """What vLLM would charge at least for decoding these items: the images whose size is known."""
+    total = 0
+    for item in media:
+        if item.modality == "image" and item.url is not None:
+            total += decoded_image_bytes(item.url) or 0
+    return total
+
+
+def decoded_image_bytes(url: str | Raw) -> int | None:
+    """``width * height * 4`` of an inline image whose header says its size; None when not known."""
+    text = bytes(raw_text(url)[: _PREFIXES[-1] + 256]) if isinstance(url, Raw) else url.encode()
+    if not text.startswith(_DATA):
+        return None
+    marker = text.find(_BASE64, 0, 256)
+    if marker < 0:
+        return None
+    payload = text[marker + len(_BASE64) :]
+    for size in _PREFIXES:
+        head = _decoded_prefix(payload, size)
+        if head is None:
+            return None
+        found = _dimensions(head)
+        if found is not None:
+            width, height = found
+            return width * height * 4
+        if len(payload) <= size:
+            return None
+    return None
+
+
+def _decoded_prefix(payload: bytes, size: int) -> bytes | None:
+    chunk = payload[: size - size % 4] if len(payload) > size else payload[: len(payload) - len(payload) % 4]
+    try:
+        return base64.b64decode(chunk, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def _dimensions(head: bytes) -> tuple[int, int] | None:
+    """(width, height) as Pillow's ``Image.size`` reports them, from the first bytes of the file."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n") and len(head) >= 24 and head[12:16] == b"IHDR":
+        width, height = struct.unpack(">II", head[16:24])
+        return width, height
+    if head[:6] in (b"GIF87a", b"GIF89a") and len(head) >= 10:
+        width, height = struct.unpack("<HH", head[6:10])
+        return width, height
+    if head.startswith(b"BM") and len(head) >= 26:
+        header = struct.unpack("<I", head[14:18])[0]
+        if header == 12:
+            width, height = struct.unpack("<HH", head[18:22])
+            return width, height
+        width, height = struct.unpack("<ii", head[18:26])
+        return abs(width), abs(height)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP" and len(head) >= 30:
+        return _webp(head)
+    if head[:2] == b"\xff\xd8":
+        return _jpeg(head)
+    return None
+
+
+def _webp(head: bytes) -> tuple[int, int] | None:
+    chunk = head[12:16]
+    if chunk == b"VP8 " and head[23:26] == b"\x9d\x01\x2a":
+        width, height = struct.unpack("<HH", head[26:30])
+        return width & 0x3FFF, height & 0x3FFF
+    if chunk == b"VP8L" and head[20] == 0x2F:
+        bits = int.from_bytes(head[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X":
+        return int.from_bytes(head[24:27], "little") + 1, int.from_bytes(head[27:30], "little") + 1
+    return None
+
+
+def _jpeg(head: bytes) -> tuple[int, int] | None:
+    at = 2
+    while at + 4 <= len(head):
+        if head[at] != 0xFF:
+            return None
+        marker = head[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD9)):  # no length
+            at += 2
+            continue
+        (length,) = struct.unpack(">H", head[at + 2 : at + 4])
+        if marker in _JPEG_FRAMES:
+            if at + 9 > len(head):
+                return None  # the frame header is past this prefix: a longer one is decoded
+            height, width = struct.unpack(">HH", head[at + 5 : at + 9])
+            return width, height
+        if marker in (0xD9, 0xDA) or length < 2:  # end of image, start of scan: no frame header
+            return None
+        at += 2 + length
+    return None

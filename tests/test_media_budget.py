@@ -1,0 +1,115 @@
+"""vLLM 0.33's per-request budget of decoded media, kept when the media is split over encoders: the
+sizes image headers give (checked against Pillow's ``Image.size`` for PNG, baseline and progressive JPEG
+with a 60 KB EXIF block, GIF, lossy, lossless and alpha WebP, BMP, at 1x1 to 16383x7, in the vLLM
+environment), and the refusal before any encoder call."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from typing import Any
+
+import msgspec
+import pytest
+
+from epd_lab.seed import png_rgba
+from epd_middleware import Host
+from epd_middleware._media_budget import decoded_image_bytes
+
+from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
+from .test_topologies import image_block, messages_body, post
+
+pytestmark = pytest.mark.anyio
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def jpeg(width: int, height: int, exif: int = 0) -> bytes:
+    app1 = b"\xff\xe1" + struct.pack(">H", exif + 2) + b"\x00" * exif if exif else b""
+    app0 = b"\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    sof = b"\xff\xc2\x00\x11\x08" + struct.pack(">HH", height, width) + b"\x03" + b"\x00" * 9
+    return b"\xff\xd8" + app0 + app1 + sof + b"\xff\xda\x00\x08" + b"\x00" * 64 + b"\xff\xd9"
+
+
+HEADERS = [
+    (png_rgba(40, 30), 40 * 30 * 4),
+    (b"GIF89a" + struct.pack("<HH", 640, 480) + b"\x00" * 20, 640 * 480 * 4),
+    (b"BM" + b"\x00" * 12 + struct.pack("<Iii", 40, 300, -200) + b"\x00" * 30, 300 * 200 * 4),
+    (
+        b"RIFF\x00\x00\x00\x00WEBPVP8X"
+        + b"\x00" * 8
+        + (99).to_bytes(3, "little")
+        + (49).to_bytes(3, "little"),
+        5000 * 4,
+    ),
+    (jpeg(1920, 1080), 1920 * 1080 * 4),
+    (jpeg(4000, 3000, exif=60000), 4000 * 3000 * 4),  # the frame header comes after 60 KB of EXIF
+]
+
+
+@pytest.mark.parametrize(("data", "expected"), HEADERS)
+def test_the_decoded_size_is_read_from_the_image_header(data: bytes, expected: int) -> None:
+    url = data_url(data)
+    assert decoded_image_bytes(url) == expected
+    assert decoded_image_bytes(msgspec.Raw(json.dumps(url).encode())) == expected  # as the parser keeps it
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://example.com/cat.png",
+        "data:image/png,rawbytes",
+        data_url(b"not an image at all" * 10),
+        "data:image/png;base64,!!!!",
+        data_url(jpeg(10, 10)[:24]),  # cut inside the frame header
+    ],
+)
+def test_an_image_whose_size_is_not_known_counts_nothing(url: str) -> None:
+    assert decoded_image_bytes(url) is None
+
+
+PNG_800x600 = base64.b64encode(png_rgba(800, 600)).decode()  # 1,920,000 bytes decoded
+
+
+async def test_a_request_over_the_budget_is_refused_before_any_encoder_call() -> None:
+    encoders, engine = FakeEncoders(["http://enc-0:8001", "http://enc-1:8001"]), FakeEngine()
+    app, _ = build_app(encoders, engine, host=Host(media_decode_budget=5_000_000), max_batch_size=1)
+    response = await post(app, chat_body(*(image(PNG_800x600) for _ in range(3))))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"].startswith(
+        "Request decoded media exceeds VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES=5000000"
+    )
+    assert "5760000 bytes" in error["message"]
+    assert error["param"] == "messages"
+    assert encoders.calls == []
+    assert engine.received == []
+
+
+async def test_a_request_within_the_budget_or_of_one_item_is_encoded() -> None:
+    for budget, count in ((6_000_000, 3), (1_000_000, 1)):
+        encoders, engine = FakeEncoders(["http://enc-0:8001"]), FakeEngine()
+        app, _ = build_app(encoders, engine, host=Host(media_decode_budget=budget))
+        response = await post(app, chat_body(*(image(PNG_800x600) for _ in range(count))))
+        assert response.status_code == 200, response.text  # one item: its encoder applies the budget
+        assert len(encoders.calls) == 1
+
+
+async def test_without_a_budget_nothing_is_refused() -> None:
+    encoders, engine = FakeEncoders(["http://enc-0:8001"]), FakeEngine()
+    app, _ = build_app(encoders, engine, host=Host())
+    assert (await post(app, chat_body(*(image(PNG_800x600) for _ in range(3))))).status_code == 200
+
+
+async def test_messages_over_the_budget_are_refused_in_anthropic_s_words() -> None:
+    encoders, engine = FakeEncoders(["http://enc-0:8001"]), FakeEngine()
+    app, _ = build_app(encoders, engine, host=Host(media_decode_budget=5_000_000))
+    data = base64.b64encode(png_rgba(800, 600)).decode()
+    body: dict[str, Any] = messages_body(*(image_block(data) for _ in range(3)))
+    response = await post(app, body, path="/v1/messages")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert encoders.calls == []
