@@ -66,4 +66,6 @@ def _media_policy_status(host: Host) -> dict[str, Any] | None:
     return {
         "allowed_media_domains": list(policy.allowed_domains) or None,
         "local_files": policy.local_root is not None,
+        # vLLM 0.33's VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES, kept across encoder calls (null: none).
+        "decode_budget_bytes": host.media_decode_budget,
     }
