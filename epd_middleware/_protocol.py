@@ -1,6 +1,6 @@
-"""What the middleware knows of vLLM's wire protocol (vLLM 0.32 and 0.33), in one place: names and shapes on the
-wire and in the EC connector's storage. What a vLLM server says about itself (its configuration) is read
-in :mod:`.host`.
+"""What the middleware knows of vLLM's wire protocol (vLLM 0.32 and 0.33), in one place: names and
+shapes on the wire and in the EC connector's storage. What a vLLM server says about itself (its
+configuration) is read in :mod:`.host`.
 
 Sources in vLLM: ``renderers/chat_utils.py`` (a package, ``renderers/chat_utils/``, in 0.33: content
 parts, the uuid rule, the raw/embeds mixing rule),

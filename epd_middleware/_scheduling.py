@@ -15,7 +15,7 @@ and session to the encoders at the default priority and without the session. The
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -42,10 +42,9 @@ NO_SCHEDULING = Scheduling()
 
 
 def scheduling_of(
-    surface: Surface, fields: Mapping[str, Any], headers: Iterable[tuple[bytes, bytes]]
+    surface: Surface, fields: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]]
 ) -> Scheduling:
     """The request's scheduling hints, read in vLLM's order."""
-    headers = tuple(headers)
     calls: list[tuple[str, str]] = []
     if surface.reads_priority_header:
         priority = first_header(headers, PRIORITY_HEADER)
