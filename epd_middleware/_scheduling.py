@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from ._asgi import first_header
 from ._protocol import PRIORITY_HEADER, SESSION_ID, SESSION_ID_HEADER, VLLM_XARGS
+from ._rawjson import text_of
 from ._surfaces import Surface
 
 __all__ = ["NO_SCHEDULING", "Scheduling", "scheduling_of"]
@@ -50,7 +51,7 @@ def scheduling_of(
         priority = first_header(headers, PRIORITY_HEADER)
         if priority is not None:
             calls.append((_PRIORITY, priority.decode("latin-1")))
-    body_session = fields.get(SESSION_ID) if surface.reads_scheduling_fields else None
+    body_session = text_of(fields.get(SESSION_ID)) if surface.reads_scheduling_fields else None
     if _given(body_session):
         return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
     header_session = first_header(headers, SESSION_ID_HEADER)
@@ -58,7 +59,7 @@ def scheduling_of(
         calls.append((_SESSION, header_session.decode("latin-1")))
         return Scheduling(tuple(calls))
     xargs = fields.get(VLLM_XARGS) if surface.reads_scheduling_fields else None
-    xargs_session = xargs.get(SESSION_ID) if isinstance(xargs, dict) else None
+    xargs_session = text_of(xargs.get(SESSION_ID)) if isinstance(xargs, dict) else None
     if not _given(xargs_session):
         return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
     assert isinstance(xargs_session, str)
@@ -69,7 +70,8 @@ def scheduling_of(
 
 
 def _given(value: object) -> bool:
-    """A session id vLLM takes: a non-empty string (``if request.session_id:``)."""
+    """A session id vLLM takes: a non-empty string (``if request.session_id:``); a long one arrives as
+    the raw JSON the parser kept (:func:`~epd_middleware._rawjson.text_of` made it text)."""
     return isinstance(value, str) and bool(value)
 
 

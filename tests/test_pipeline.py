@@ -782,6 +782,8 @@ SCHEDULING_CASES = [
     ({}, {"vllm_xargs": {"session_id": " padded "}}),  # a header would lose the spaces
     ({}, {"vllm_xargs": {"session_id": "tab\there"}}),
     ({"x-vllm-priority": "4", "x-session-id": "header"}, {"priority": 1, "session_id": "body"}),
+    ({"x-session-id": "header"}, {"session_id": "long" * 5000}),  # a long string: kept raw by the parser
+    ({}, {"vllm_xargs": {"session_id": "long" * 5000}}),
 ]
 
 
