@@ -136,7 +136,11 @@ class Exchange:
             scope["headers"] = _engine_headers(
                 headers, len(new_body), request_id if given is None else None, context.pin_rank
             )
-            guard = _EngineFailureGuard(self.send, hold=attempt < retries, hold_for=self.host.push_wait_s)
+            # The push wait only bounds a request whose embeddings were pushed to this server.
+            pushed = context.push_to is not None
+            guard = _EngineFailureGuard(
+                self.send, hold=attempt < retries, hold_for=self.host.push_wait_s if pushed else None
+            )
             await self.app(scope, replay(new_body, caller.receive), guard.send)
             if guard.status == 200:
                 pipeline.engine_answered(request)

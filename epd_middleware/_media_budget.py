@@ -25,8 +25,15 @@ __all__ = ["decoded_image_bytes", "known_decoded_bytes"]
 
 _DATA = b"data:"
 _BASE64 = b";base64,"
-# Base64 characters decoded at most to find a JPEG's frame header (after its EXIF and other segments).
-_PREFIXES = (4096, 65536, 1 << 20)
+# Base64 characters decoded at most to find a JPEG's frame header (after its EXIF and other segments),
+# and segments walked at most: real files have a handful before it. Bounded, because this runs on the
+# event loop: a crafted file of thousands of empty segments costs one walk of _MAX_SEGMENTS, and an image
+# whose size stays unknown is only not counted (never refused for it).
+_PREFIXES = (4096, 65536, 262144)
+_MAX_SEGMENTS = 64
+# What _jpeg says when the frame header may lie past the bytes decoded so far.
+_MORE = (-1, -1)
+_JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD9)})
 _JPEG_FRAMES = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 
@@ -41,7 +48,8 @@ def known_decoded_bytes(media: Sequence[MediaPart]) -> int:
 
 def decoded_image_bytes(url: str | Raw) -> int | None:
     """``width * height * 4`` of an inline image whose header says its size; None when not known."""
-    text = bytes(raw_text(url)[: _PREFIXES[-1] + 256]) if isinstance(url, Raw) else url.encode()
+    limit = _PREFIXES[-1] + 256  # the data URL's head: never the whole media
+    text = bytes(raw_text(url)[:limit]) if isinstance(url, Raw) else url[:limit].encode()
     if not text.startswith(_DATA):
         return None
     marker = text.find(_BASE64, 0, 256)
@@ -53,11 +61,12 @@ def decoded_image_bytes(url: str | Raw) -> int | None:
         if head is None:
             return None
         found = _dimensions(head)
-        if found is not None:
-            width, height = found
-            return width * height * 4
-        if len(payload) <= size:
+        if found is _MORE and len(payload) > size:
+            continue  # a JPEG whose frame header lies past this prefix
+        if found is None or found is _MORE:
             return None
+        width, height = found
+        return width * height * 4
     return None
 
 
@@ -70,7 +79,8 @@ def _decoded_prefix(payload: bytes, size: int) -> bytes | None:
 
 
 def _dimensions(head: bytes) -> tuple[int, int] | None:
-    """(width, height) as Pillow's ``Image.size`` reports them, from the first bytes of the file."""
+    """(width, height) as Pillow's ``Image.size`` reports them, from the first bytes of the file; None
+    when they cannot be told, ``_MORE`` when a longer prefix may tell them (JPEG)."""
     if head.startswith(b"\x89PNG\r\n\x1a\n") and len(head) >= 24 and head[12:16] == b"IHDR":
         width, height = struct.unpack(">II", head[16:24])
         return width, height
@@ -106,20 +116,22 @@ def _webp(head: bytes) -> tuple[int, int] | None:
 
 def _jpeg(head: bytes) -> tuple[int, int] | None:
     at = 2
-    while at + 4 <= len(head):
+    for _ in range(_MAX_SEGMENTS):
+        if at + 4 > len(head):
+            return _MORE
         if head[at] != 0xFF:
             return None
         marker = head[at + 1]
         if marker == 0xFF:  # fill byte
             at += 1
             continue
-        if marker in (0x01, *range(0xD0, 0xD9)):  # no length
+        if marker in _JPEG_STANDALONE:  # no length
             at += 2
             continue
         (length,) = struct.unpack(">H", head[at + 2 : at + 4])
         if marker in _JPEG_FRAMES:
             if at + 9 > len(head):
-                return None  # the frame header is past this prefix: a longer one is decoded
+                return _MORE
             height, width = struct.unpack(">HH", head[at + 5 : at + 9])
             return width, height
         if marker in (0xD9, 0xDA) or length < 2:  # end of image, start of scan: no frame header

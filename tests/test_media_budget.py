@@ -113,3 +113,23 @@ async def test_messages_over_the_budget_are_refused_in_anthropic_s_words() -> No
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert encoders.calls == []
+
+
+def test_a_crafted_jpeg_costs_a_bounded_walk_and_counts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of empty segments before any frame header: at most 256 KiB of base64 is decoded and
+    64 segments walked per prefix (this runs on the event loop), and the image is not counted."""
+    from epd_middleware import _media_budget
+
+    decoded: list[int] = []
+    real = _media_budget._decoded_prefix
+
+    def recording(payload: bytes, size: int) -> bytes | None:
+        decoded.append(size)
+        return real(payload, size)
+
+    monkeypatch.setattr(_media_budget, "_decoded_prefix", recording)
+    crafted = b"\xff\xd8" + b"\xff\xe0\x00\x02" * (1 << 18)
+    assert decoded_image_bytes(data_url(crafted)) is None
+    assert max(decoded) <= 262144
+    many = b"\xff\xd8" + b"\xff\xe0\x00\x02" * 70 + jpeg(10, 10)[2:]  # a frame header after 70 segments
+    assert decoded_image_bytes(data_url(many)) is None  # past the walk: not counted, never refused

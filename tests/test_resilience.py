@@ -13,6 +13,7 @@ import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware, Host
 from epd_middleware._probes import probe
+from epd_middleware.host import MooncakeConsumers
 from epd_middleware.transport import HttpxTransport
 
 from .fakes import (
@@ -274,9 +275,15 @@ async def test_engine_500_before_the_first_byte_is_retried_once() -> None:
     assert response.json()["error"]["type"] == "InternalServerError"
 
 
-def _push_host(wait: float) -> Host:
+def _push_host(wait: float, *, push: bool = True) -> Host:
     """A Mooncake consumer on the V1 runner whose engine waits ``wait`` seconds for a pushed embedding."""
-    return Host(ec_connector="ECMooncakeConnector", ec_consumer=True, model_runner="v1", push_wait_s=wait)
+    return Host(
+        ec_connector="ECMooncakeConnector",
+        ec_consumer=True,
+        model_runner="v1",
+        push_wait_s=wait,
+        push=MooncakeConsumers({0: "tcp://127.0.0.1:15000"}, pin=False) if push else None,
+    )
 
 
 async def test_an_engine_500_after_the_whole_push_wait_is_passed_on_not_retried(
@@ -297,6 +304,16 @@ async def test_an_engine_500_after_the_whole_push_wait_is_passed_on_not_retried(
     [line] = [r.getMessage() for r in caplog.records if "push wait" in r.getMessage()]
     assert "not running it again" in line
     assert "V1 model runner" in line
+
+
+async def test_a_late_engine_500_of_a_request_nothing_was_pushed_for_is_retried() -> None:
+    """Text only, or no push target: the push wait says nothing about such a 500."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine(fail_next=2, fail_after=0.3)
+    app, _ = build_app(encoders, engine, host=_push_host(0.2, push=False))
+    middleware = app.build_middleware_stack()
+    assert (await post(middleware, chat_body(image(png(1))))).status_code == 500
+    assert len(engine.received) == 2
+    assert _middleware(middleware).pipeline.counters["engine_retries_skipped_after_push_wait"] == 0
 
 
 async def test_an_engine_500_before_the_push_wait_is_retried_as_any_other() -> None:
