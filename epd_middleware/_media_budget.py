@@ -71,7 +71,8 @@ def decoded_image_bytes(url: str | Raw) -> int | None:
 
 
 def _decoded_prefix(payload: bytes, size: int) -> bytes | None:
-    chunk = payload[: size - size % 4] if len(payload) > size else payload[: len(payload) - len(payload) % 4]
+    length = min(size, len(payload))
+    chunk = payload[: length - length % 4]
     try:
         return base64.b64decode(chunk, validate=True)
     except (binascii.Error, ValueError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from ._asgi import first_header
 from ._protocol import PRIORITY_HEADER, SESSION_ID, SESSION_ID_HEADER, VLLM_XARGS
@@ -51,25 +51,33 @@ def scheduling_of(
         priority = first_header(headers, PRIORITY_HEADER)
         if priority is not None:
             calls.append((_PRIORITY, priority.decode("latin-1")))
-    body_session = text_of(fields.get(SESSION_ID)) if surface.reads_scheduling_fields else None
-    if _given(body_session):
-        return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
-    header_session = first_header(headers, SESSION_ID_HEADER)
-    if header_session:
-        calls.append((_SESSION, header_session.decode("latin-1")))
-        return Scheduling(tuple(calls))
-    xargs = fields.get(VLLM_XARGS) if surface.reads_scheduling_fields else None
-    xargs_session = text_of(xargs.get(SESSION_ID)) if isinstance(xargs, dict) else None
-    if not _given(xargs_session):
-        return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
-    assert isinstance(xargs_session, str)
-    if _header_safe(xargs_session):
-        calls.append((_SESSION, xargs_session))
-        return Scheduling(tuple(calls))
-    return Scheduling(tuple(calls), MappingProxyType({SESSION_ID: xargs_session}))
+    as_header, in_body = _session(surface, fields, headers)
+    if as_header is not None:
+        calls.append((_SESSION, as_header))
+    if in_body is not None:
+        return Scheduling(tuple(calls), MappingProxyType({SESSION_ID: in_body}))
+    return Scheduling(tuple(calls)) if calls else NO_SCHEDULING
 
 
-def _given(value: object) -> bool:
+def _session(
+    surface: Surface, fields: Mapping[str, Any], headers: Sequence[tuple[bytes, bytes]]
+) -> tuple[str | None, str | None]:
+    """The effective session id as the calls carry it: (as a header, in the encoder's body); neither
+    where there is none, or where the body's own ``session_id`` already travels."""
+    reads_body = surface.reads_scheduling_fields
+    if reads_body and _given(text_of(fields.get(SESSION_ID))):
+        return None, None
+    header = first_header(headers, SESSION_ID_HEADER)
+    if header:
+        return header.decode("latin-1"), None
+    xargs = fields.get(VLLM_XARGS) if reads_body else None
+    session = text_of(xargs.get(SESSION_ID)) if isinstance(xargs, dict) else None
+    if not _given(session):
+        return None, None
+    return (session, None) if _header_safe(session) else (None, session)
+
+
+def _given(value: object) -> TypeGuard[str]:
     """A session id vLLM takes: a non-empty string (``if request.session_id:``); a long one arrives as
     the raw JSON the parser kept (:func:`~epd_middleware._rawjson.text_of` made it text)."""
     return isinstance(value, str) and bool(value)

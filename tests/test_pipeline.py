@@ -807,46 +807,34 @@ async def test_every_encoder_and_prefill_call_is_scheduled_as_vllm_reads_the_cha
         assert vllm_reads("/v1/chat/completions", call.headers, call.json) == expected, call
 
 
-@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
-async def test_responses_calls_are_scheduled_as_vllm_reads_the_request(
-    headers: dict[str, str], fields: dict[str, Any]
-) -> None:
-    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
-    body = {
-        "model": MODEL,
-        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url(1)}]}],
-        **fields,
-    }
-    await run(pipe, body, transport, surface=RESPONSES, headers=raw_headers(headers))
-    [call] = transport.posts()
-    assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(
-        "/v1/responses", headers, body
-    )
+def _responses_body(fields: dict[str, Any]) -> dict[str, Any]:
+    content = [{"type": "input_image", "image_url": url(1)}]
+    return {"model": MODEL, "input": [{"role": "user", "content": content}], **fields}
 
 
-@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
-async def test_messages_calls_carry_the_headers_vllm_reads_and_nothing_from_the_body(
-    headers: dict[str, str], fields: dict[str, Any]
-) -> None:
-    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
-    body = messages_body(image_block(1), **fields)
-    await run(pipe, body, transport, surface=MESSAGES, headers=raw_headers(headers))
-    [call] = transport.posts()
-    assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(
-        "/v1/messages", headers, body
-    )
-
-
-@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
-async def test_batch_calls_are_scheduled_as_vllm_reads_the_batch(
-    headers: dict[str, str], fields: dict[str, Any]
-) -> None:
-    """The batch route takes its priority from the body alone: the header must not reach the encoder."""
-    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
+def _batch_body(fields: dict[str, Any]) -> dict[str, Any]:
     conversation = [{"role": "user", "content": [TEXT, image(1)]}]
-    body = {"model": MODEL, "messages": [conversation, conversation], "max_tokens": 4, **fields}
-    await run(pipe, body, transport, surface=BATCH, headers=raw_headers(headers))
-    for call in transport.posts():
-        assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(
-            "/v1/chat/completions/batch", headers, body
-        )
+    return {"model": MODEL, "messages": [conversation, conversation], "max_tokens": 4, **fields}
+
+
+# Each surface as vLLM reads it: Responses as chat; Messages from the headers alone (its body's fields
+# are not read); the batch route takes its priority from the body alone, so the header must not reach
+# the encoder.
+OTHER_SURFACES = {
+    "responses": (RESPONSES, "/v1/responses", _responses_body),
+    "messages": (MESSAGES, "/v1/messages", lambda fields: messages_body(image_block(1), **fields)),
+    "batch": (BATCH, "/v1/chat/completions/batch", _batch_body),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_SURFACES)
+@pytest.mark.parametrize(("headers", "fields"), SCHEDULING_CASES)
+async def test_encoder_calls_of_every_other_surface_are_scheduled_as_vllm_reads_the_request(
+    name: str, headers: dict[str, str], fields: dict[str, Any]
+) -> None:
+    surface, route, make_body = OTHER_SURFACES[name]
+    pipe, transport = pipeline(encoders=(E0,)), encoders(E0)
+    body = make_body(fields)
+    await run(pipe, body, transport, surface=surface, headers=raw_headers(headers))
+    [call] = transport.posts()
+    assert vllm_reads("/v1/chat/completions", call.headers, call.json) == vllm_reads(route, headers, body)
