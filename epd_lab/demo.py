@@ -12,7 +12,6 @@ V1-runner shim, epd_lab/v1_runner_shim.py).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -45,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if python is None:
         sys.stderr.write(NO_VLLM)
         return 2
-    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = lab.cache_dir()
     print(f"vLLM python: {python}")
     lab.install_project(python)
     model = lab.ensure_tiny_model(python, cache)

@@ -83,10 +83,15 @@ def prepared(builder: str = "tiny_model") -> tuple[str, Path]:
     python = find_vllm_python()
     if python is None:
         raise SystemExit("set EPD_VLLM_PYTHON to the python of a vLLM install (scripts/setup-vllm-cpu.sh)")
+    install_project(python)
+    return python, ensure_tiny_model(python, cache_dir(), builder)
+
+
+def cache_dir() -> Path:
+    """Where built models and media are kept between runs (``EPD_CACHE_DIR``), made if missing."""
     cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
     cache.mkdir(parents=True, exist_ok=True)
-    install_project(python)
-    return python, ensure_tiny_model(python, cache, builder)
+    return cache
 
 
 def ensure_media(python: str, cache_dir: Path) -> tuple[Path, Path]:

@@ -93,23 +93,27 @@ MOONCAKE_PUSH_WAIT = 4.0
 _mooncake: MooncakeDeployment | None = None
 
 
-def _vllm_python() -> str:
+def _vllm_python() -> tuple[str, Path, Path]:
+    """The vLLM python (skipping without one), with this checkout installed into it, the cache and the
+    tiny image model."""
     python = os.environ.get("EPD_VLLM_PYTHON")
     if not python:
         pytest.skip(
             "EPD_VLLM_PYTHON is not set: give the python of a vLLM install (scripts/setup-vllm-cpu.sh)"
         )
-    return python
+    lab.install_project(python)
+    cache = lab.cache_dir()
+    return python, cache, lab.ensure_tiny_model(python, cache)
+
+
+def _start(servers: list[lab.VLLMServer]) -> None:
+    lab.start_all(servers, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
 
 
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeployment]:
     global _mooncake
-    python = _vllm_python()
-    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
-    cache.mkdir(parents=True, exist_ok=True)
-    lab.install_project(python)
-    model = lab.ensure_tiny_model(python, cache)
+    python, _, model = _vllm_python()
     root = tmp_path_factory.mktemp("mooncake")
     unused, logs = root / "unused", root / "logs"  # Mooncake keeps no files: the storage is never read
     encoders = [
@@ -133,7 +137,7 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeplo
             push_wait=MOONCAKE_PUSH_WAIT,
         ),
     )
-    lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
+    _start(deployment.all)
     _mooncake = deployment
     try:
         yield deployment
@@ -150,11 +154,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     global _deployment
-    python = _vllm_python()
-    cache = Path(os.environ.get("EPD_CACHE_DIR", Path.home() / ".cache" / "epd-middleware"))
-    cache.mkdir(parents=True, exist_ok=True)
-    lab.install_project(python)
-    model = lab.ensure_tiny_model(python, cache)
+    python, cache, model = _vllm_python()
     audio_model = lab.ensure_tiny_model(python, cache, "tiny_audio_model")
     video, audio = lab.ensure_media(python, cache)
     root = tmp_path_factory.mktemp("vllm")
@@ -244,7 +244,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         server.limits = '{"audio":2}'
         server.served_name = AUDIO_MODEL
     deployment.pd_multi.args += ["--api-server-count", "2"]
-    lab.start_all(deployment.all, timeout=float(os.environ.get("EPD_E2E_START_TIMEOUT", "900")))
+    _start(deployment.all)
     _deployment = deployment
     try:
         yield deployment

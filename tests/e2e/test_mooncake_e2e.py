@@ -25,11 +25,9 @@ import pytest
 from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
 from epd_lab.v1_runner_shim import EMPTY_STEP_LINE, LOADED_LINE
-from epd_middleware import _selection as selection
-from epd_middleware._plan import MediaItem, content_uuid, plan_calls
 
 from .conftest import MOONCAKE_PUSH_WAIT, MooncakeDeployment
-from .test_vllm_e2e import REPORT, assert_same, chat, record, served_requests
+from .test_vllm_e2e import REPORT, assert_same, chat, planned_calls, record, served_requests
 
 pytestmark = pytest.mark.e2e
 
@@ -37,20 +35,21 @@ MODEL = lab.SERVED_MODEL
 PUSHED = re.compile(re.escape(LOADED_LINE) + r" (\S+): (\d+) bytes by push")
 
 
-def pushed_hashes(server: lab.VLLMServer) -> list[str]:
-    """The embeddings the server's engine loaded by Mooncake push, in order, from its log."""
+def pushed_loads(server: lab.VLLMServer) -> list[tuple[str, str]]:
+    """(mm_hash, bytes) of each embedding the server's engine loaded by Mooncake push, in order, from
+    its log."""
     return PUSHED.findall(server.log_path.read_text(errors="replace"))
 
 
 def settle_log(server: lab.VLLMServer, count: int) -> list[tuple[str, str]]:
     """The pushed loads once at least ``count`` are logged (the worker's line may trail the answer)."""
-    loads: list[tuple[str, str]] = []
+    loads = pushed_loads(server)
     for _ in range(20):
-        loads = [tuple(found) for found in PUSHED.findall(server.log_path.read_text(errors="replace"))]
         if len(loads) >= count:
             break
         time.sleep(0.25)
-    return loads  # type: ignore[return-value]
+        loads = pushed_loads(server)
+    return loads
 
 
 def status(server: lab.VLLMServer) -> dict[str, Any]:
@@ -64,7 +63,7 @@ def test_mooncake_push_equals_the_single_instance_and_the_embedding_arrives_by_p
     mooncake: MooncakeDeployment, options: dict[str, Any] | None
 ) -> None:
     body = seed_request(MODEL, images=[seed_image(shift=1 if options else 0)], options=options)
-    before = len(pushed_hashes(mooncake.pd))
+    before = len(pushed_loads(mooncake.pd))
     baseline = chat(mooncake.single, body)
     response = chat(mooncake.pd, body)
     label = "non-default" if options else "default"
@@ -84,7 +83,7 @@ def test_mooncake_push_equals_the_single_instance_and_the_embedding_arrives_by_p
 def test_mooncake_streaming_gives_the_same_text_and_usage(mooncake: MooncakeDeployment) -> None:
     body = seed_request(MODEL, images=[seed_image(shift=2)], options=NON_DEFAULT_OPTIONS)
     baseline = chat(mooncake.single, body)
-    before = len(pushed_hashes(mooncake.pd))
+    before = len(pushed_loads(mooncake.pd))
     text, usage = [], None
     with httpx.stream(
         "POST",
@@ -108,26 +107,18 @@ def test_mooncake_streaming_gives_the_same_text_and_usage(mooncake: MooncakeDepl
     REPORT.append({"case": "E + PD Mooncake push, streaming", "status": 200, "output": "".join(text)})
 
 
-def planned_calls(mooncake: MooncakeDeployment, urls: list[str]) -> list[int]:
-    """Encoder calls per encoder that content affinity plans for these images (no options, idle)."""
-    items = [MediaItem(content_uuid("image", (url,)), "image", {}) for url in urls]
-    encoders = [server.url for server in mooncake.encoders]
-    rankings = selection.affinity(items, encoders, {}, max_inflight=64, max_batch_size=8)
-    return [sum(call.encoder == url for call in plan_calls(items, rankings, 8)) for url in encoders]
-
-
 def test_mooncake_two_encoders_push_the_items_of_one_request_to_the_pd_s_own_address(
     mooncake: MooncakeDeployment,
 ) -> None:
     # Four images that affinity spreads over both encoders (found by the planner, not assumed).
     for start in range(10, 400, 10):
         urls = [seed_image(shift=start + i) for i in range(4)]
-        calls = planned_calls(mooncake, urls)
+        calls = planned_calls([server.url for server in mooncake.encoders], urls)
         if all(calls):
             break
     assert all(calls), calls
     served = [served_requests(server) for server in mooncake.encoders]
-    before = len(pushed_hashes(mooncake.pd))
+    before = len(pushed_loads(mooncake.pd))
     body = seed_request(MODEL, images=urls)
     baseline = chat(mooncake.single, body)
     response = chat(mooncake.pd, body)
@@ -205,7 +196,7 @@ def test_mooncake_killing_one_encoder_mid_run_loses_no_request(mooncake: Mooncak
         if index == 2:
             mooncake.encoders[1].kill()
         body = seed_request(MODEL, images=[seed_image(shift=100 + 10 * index)])
-        before = len(pushed_hashes(mooncake.pd))
+        before = len(pushed_loads(mooncake.pd))
         baseline = chat(mooncake.single, body)
         response = chat(mooncake.pd, body)
         record(f"E + PD Mooncake, encoder-1 killed after 2, request {index}", response, baseline)

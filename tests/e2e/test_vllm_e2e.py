@@ -208,8 +208,12 @@ def test_responses_style_input_image_part_equals_the_single_instance(deployment:
 
 def affinity_calls(deployment: Deployment, urls: list[str]) -> list[int]:
     """Encoder calls per encoder that content affinity plans for these images (no options, idle)."""
+    return planned_calls([server.url for server in deployment.encoders], urls)
+
+
+def planned_calls(encoders: list[str], urls: list[str]) -> list[int]:
+    """Calls per encoder (in ``encoders``' order) that content affinity plans for these images."""
     items = [MediaItem(content_uuid("image", (url,)), "image", {}) for url in urls]
-    encoders = [server.url for server in deployment.encoders]
     rankings = selection.affinity(items, encoders, {}, max_inflight=64, max_batch_size=8)
     calls = plan_calls(items, rankings, 8)
     return [sum(call.encoder == url for call in calls) for url in encoders]
