@@ -11,15 +11,18 @@ from ._surfaces import ParsedRequest, Surface
 from .errors import MediaBudgetExceeded, MediaRefused, UnresolvableReference
 from .host import Host
 
-__all__ = ["check_media_budget", "check_media_policy", "check_references"]
+__all__ = ["check_media_budget", "check_media_policy", "check_references", "check_references_again"]
 
 
-def check_references(surface: Surface, request: ParsedRequest, host: Host, stats: Stats) -> None:
+def check_references(
+    surface: Surface, request: ParsedRequest, host: Host, stats: Stats
+) -> tuple[tuple[str, str], ...]:
     """Every metadata-only part the client wrote itself must name an embedding this server has,
     under the identifier the engine will derive: a missing one kills vLLM's engine core. Where the
     middleware cannot confirm it (no storage it can look in, options it cannot follow), it is
-    refused."""
+    refused. Returns each reference's place and identifier, for :func:`check_references_again`."""
     storage = host.storage
+    confirmed: list[tuple[str, str]] = []
     for reference in request.references:
         where = f"the {reference.kind} part at {surface.where(reference.location)}"
         if reference.uuid is None:
@@ -43,6 +46,25 @@ def check_references(surface: Surface, request: ParsedRequest, host: Host, stats
             stats.request("reference_refused")
             raise UnresolvableReference(
                 f"{where} refers to embedding {identifier[:80]!r}, which this server does not have",
+                param=surface.field,
+            )
+        confirmed.append((where, identifier))
+    return tuple(confirmed)
+
+
+def check_references_again(
+    surface: Surface, confirmed: tuple[tuple[str, str], ...], host: Host, stats: Stats
+) -> None:
+    """Just before the engine gets the request: every reference confirmed at the start is still there.
+    A slow encoder or prefill call leaves time for a cleanup to remove a file, and the engine would
+    die on the reference as on one that never was."""
+    storage = host.storage
+    for where, identifier in confirmed:
+        if storage is None or not embedding_stored(storage, identifier):
+            stats.request("reference_refused")
+            raise UnresolvableReference(
+                f"{where} refers to embedding {identifier[:80]!r}, which this server no longer has (it "
+                "was removed while the request was being prepared)",
                 param=surface.field,
             )
 

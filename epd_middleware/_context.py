@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ._blame import Ledger
 from ._protocol import REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
 from ._scheduling import NO_SCHEDULING, Scheduling
@@ -36,6 +37,8 @@ class RequestContext:
     fresh: bool = False
     # The priority and session id its calls carry, as vLLM reads them from the request.
     scheduling: Scheduling = NO_SCHEDULING
+    # Its failed calls, judged together: who is at fault for each (_blame.py).
+    ledger: Ledger = field(default_factory=Ledger)
 
     def again(self) -> RequestContext:
         """The context of an engine retry: nothing the first attempt got is reused."""

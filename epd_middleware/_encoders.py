@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import anyio
 
 from . import _failover as failover
+from ._blame import Ledger
 from ._handles import Handle, ItemKey, match_reply
 from ._plan import EncoderCall
 from ._pool import ServerPool
@@ -71,6 +72,13 @@ class EncodeJob(NamedTuple):
     stop_at_first_failure: bool = True
     # Fields over every encoder body (the request's session id where no header carries it).
     extra_fields: Mapping[str, Any] = MappingProxyType({})
+    # The request's failed calls, judged together (_blame.py).
+    ledger: Ledger | None = None
+    # The call that confirms an encoder's ejection besides its /health (_canary.py); None: /health alone.
+    canary: Callable[[], Attempt[None]] | None = None
+    # Why an item the encoder gives no handle for cannot stay raw for the engine (a Mooncake consumer's
+    # engine would wait for its push): such an answer is then a bad one. None: it stays raw.
+    raw_blocked: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +120,8 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
                 job.headers[index],
                 call.preferred,
                 deadline=ends,
+                ledger=job.ledger,
+                canary=job.canary,
             )
             return
         except DeadlinePassed:
@@ -174,6 +184,12 @@ def _handles(
     server: str, call: EncoderCall, request: EncoderRequest, reply: dict[str, Any], job: EncodeJob
 ) -> dict[ItemKey, Handle]:
     handles = match_reply(server, call.items, reply.get(EC_TRANSFER_PARAMS))
+    if job.raw_blocked is not None and len(handles) < len(call.items):
+        raise UpstreamBadReply(
+            server,
+            f"no handle for {len(call.items) - len(handles)} of the {len(call.items)} item(s) it was sent, "
+            "and this server's engine cannot encode them itself",
+        )
     for key, handle in handles.items():
         identifier = job.expected.get(key)
         if identifier is not None and handle.mm_hash != identifier:

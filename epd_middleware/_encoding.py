@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import anyio
 
 from . import _selection as selection
+from ._canary import canary
 from ._context import RequestContext
 from ._encoders import EncodeJob, EncodeOutcome, encode
 from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_params
@@ -21,22 +22,24 @@ from ._logs import logger
 from ._metrics import Stats
 from ._plan import EncoderCall, MediaItem, media_items, plan_calls
 from ._pool import ServerPool, no_server_left
-from ._protocol import EC_ITEMS, embedding_stored
+from ._protocol import EC_ITEMS, MODEL, embedding_stored
+from ._rawjson import text_of
 from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from ._scheduler import Route
 from ._surfaces import ParsedRequest, Surface
+from ._upstream import Attempt
 from .config import EPDConfig
-from .errors import NoHealthyUpstream
 
 __all__ = ["EncodeStage", "Encoded"]
 
 
 class Encoded(NamedTuple):
-    """The engine request's fields with the handles, and what to say of it in the request's log line
-    (None when not logged)."""
+    """The engine request's fields with the handles, what to say of it in the request's log line
+    (None when not logged), and whether any embedding was pushed to this server (Mooncake)."""
 
     fields: dict[str, Any]
     note: str | None = None
+    pushed: bool = False
 
 
 class _Items(NamedTuple):
@@ -71,7 +74,7 @@ class EncodeStage:
         found = self._items(surface, request, context)
         reused = self._reused(surface, request, context, found)
         to_encode = tuple(item for item in found.items if (item.modality, item.uuid) not in reused.handles)
-        calls = self._plan(to_encode, context.route)
+        calls = self._plan(to_encode, context)
         started = time.perf_counter()
         outcome = await encode(
             self.pool, context.transport, self._job(surface, request, context, found, calls)
@@ -89,8 +92,9 @@ class EncodeStage:
             self.stats.reused(len(reused.handles))
         if not fallen:
             self.stats.encoded(len(found.items), len(calls))
+        pushed = context.push_to is not None and bool(outcome.handles)
         if not logger.isEnabledFor(logging.INFO):
-            return Encoded(fields)
+            return Encoded(fields, None, pushed)
         used = ", ".join(sorted({call.encoder for call in calls})) or "none"
         note = (
             f"{len(found.items)} media item(s), {len(calls)} encoder call(s) to {used}"
@@ -99,7 +103,7 @@ class EncodeStage:
             + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
             + (f"; {fallen} left to the local engine" if fallen else "")
         )
-        return Encoded(fields, note)
+        return Encoded(fields, note, pushed)
 
     def _items(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> _Items:
         items, uuids = media_items(
@@ -142,15 +146,21 @@ class EncodeStage:
             return _Reused({}, keys)
         return _Reused(self.reuse.take(keys, storage, found.expected), keys)
 
-    def _plan(self, to_encode: tuple[MediaItem, ...], route: Route) -> tuple[EncoderCall, ...]:
+    def _plan(self, to_encode: tuple[MediaItem, ...], context: RequestContext) -> tuple[EncoderCall, ...]:
         """The calls for the items still to encode; none when no encoder is available and the policy
         leaves them to the engine."""
-        local = self.config.on_encoder_failure == "local"
-        choices, source = self._choose(to_encode, route) if to_encode else ([], "reuse")
+        local = self._local(context)
+        choices, source = self._choose(to_encode, context.route) if to_encode else ([], "reuse")
         if to_encode and not choices and not local:
-            raise NoHealthyUpstream(no_server_left(self.pool, "encoder"), self.config.retry_after)
+            raise no_server_left(self.pool, "encoder", self.config.retry_after)
         self.stats.encoder_source(source if choices or not to_encode else "local")
         return plan_calls(to_encode, choices, self.config.max_batch_size) if choices else ()
+
+    def _local(self, context: RequestContext) -> bool:
+        """Whether media no encoder could take goes to the local engine as sent: the 'local' policy,
+        where this server's engine can encode it (not a Mooncake consumer, whose engine would wait
+        for a push that never comes)."""
+        return self.config.on_encoder_failure == "local" and context.host.local_encoding_blocker is None
 
     def _choose(self, items: tuple[MediaItem, ...], route: Route) -> tuple[list[tuple[str, ...]], str]:
         """An encoder ranking per item, and who chose it (``scheduler`` or ``pool``); no rankings when no
@@ -195,8 +205,11 @@ class EncodeStage:
             push_to=context.push_to,
             storage=context.host.storage,
             expected={key: value for key, value in found.expected.items() if value is not None},
-            stop_at_first_failure=self.config.on_encoder_failure != "local",
+            stop_at_first_failure=not self._local(context),
             extra_fields=context.scheduling.encoder_fields,
+            ledger=context.ledger,
+            canary=_canary_of(request, context),
+            raw_blocked=context.host.local_encoding_blocker,
         )
 
     def _left_to_the_engine(
@@ -211,7 +224,7 @@ class EncodeStage:
         if not outcome.failed and not (to_encode and not calls):
             return 0
         fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(to_encode)
-        reason = outcome.failed[0][1].message if outcome.failed else "no encoder is available"
+        reason = outcome.failed[0][1].logged if outcome.failed else "no encoder is available"
         self.stats.fallback(fallen)
         logger.warning(
             "request %s: %d media item(s) left to the local engine: %s", context.request_id, fallen, reason
@@ -264,3 +277,14 @@ class EncodeStage:
                 if key in reuse_keys:
                     self.reuse.forget((reuse_keys[key],))
         return frozenset(unconfirmed)
+
+
+def _canary_of(request: ParsedRequest, context: RequestContext) -> Callable[[], Attempt[None]] | None:
+    """The canary that confirms an encoder's ejection for this request's calls: an image of the
+    request's model, where that is a name. It carries no push address, so under Mooncake an encoder
+    encodes it and pushes nothing (``mooncake/scheduler.py`` ``_prepare_push_spec`` skips a request
+    without ``consumer_zmq``)."""
+    model = text_of(request.fields.get(MODEL))
+    if not isinstance(model, str) or not model:
+        return None
+    return canary(model, context.host.storage)

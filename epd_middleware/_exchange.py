@@ -123,7 +123,7 @@ class Exchange:
             try:
                 # The caller leaving now cancels this (and the encoder or prefill calls in it).
                 caller.preparing = True
-                new_body = await pipeline.prepare(
+                prepared = await pipeline.prepare(
                     self.surface, request, context.again() if attempt else context
                 )
             except EPDError as exc:
@@ -134,14 +134,15 @@ class Exchange:
                 caller.preparing = False
             scope = dict(self.scope)
             scope["headers"] = _engine_headers(
-                headers, len(new_body), request_id if given is None else None, context.pin_rank
+                headers, len(prepared.body), request_id if given is None else None, context.pin_rank
             )
             # The push wait only bounds a request whose embeddings were pushed to this server.
-            pushed = context.push_to is not None
             guard = _EngineFailureGuard(
-                self.send, hold=attempt < retries, hold_for=self.host.push_wait_s if pushed else None
+                self.send,
+                hold=attempt < retries,
+                hold_for=self.host.push_wait_s if prepared.pushed else None,
             )
-            await self.app(scope, replay(new_body, caller.receive), guard.send)
+            await self.app(scope, replay(prepared.body, caller.receive), guard.send)
             if guard.status == 200:
                 pipeline.engine_answered(request)
             if guard.waited_out:
@@ -169,6 +170,8 @@ class Exchange:
 
     async def _answer(self, error: EPDError) -> None:
         """The middleware's own error, in the surface's language (Anthropic's on Messages)."""
+        if self.pipeline.config.expose_upstream_addresses:
+            error.expose()
         await send_error(self.send, error, self.surface.error_body(error))
 
     async def _read_body(self) -> bytes:

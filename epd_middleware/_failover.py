@@ -1,6 +1,7 @@
 """How one call fails over among the servers of a pool: the first server, then others while the call
-fails in a way another server may not, each try made by :func:`._upstream.post_once` and recorded in the
-pool's health.
+fails in a way another server may not, each try made by :func:`._upstream.post_once`, each failure judged
+(:mod:`._blame`: the server, the request, or nobody at fault) and recorded in the pool's health, a
+server's ejection confirmed before it happens (:func:`._probes.confirm_failing`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import TypeVar
 
 import anyio
 
+from ._blame import Ledger
 from ._logs import logger
 from ._pool import ServerPool
+from ._probes import confirm_failing, proves_healthy
 from ._upstream import Attempt, DeadlinePassed, post_once
 from .errors import UpstreamError, UpstreamUnavailable
 from .transport import Transport
@@ -31,15 +34,21 @@ async def call(
     headers: Mapping[str, str],
     preferred: Sequence[str] = (),
     deadline: float | None = None,
+    ledger: Ledger | None = None,
+    canary: Callable[[], Attempt[None]] | None = None,
 ) -> T:
     """POST to ``first``, then to other servers while the call fails in a way another server may not
     (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
-    rejection of the request itself is raised at once; the last failure is raised when no server is
-    left; :class:`~._upstream.DeadlinePassed` once ``deadline`` (event-loop time) has passed, whatever
-    the attempt. ``attempt`` makes each try afresh (its body, and how its answer is read)."""
+    failure the request is at fault for (``ledger``: all of the request's failures, judged together)
+    is raised at once; the last failure is raised when no server is left;
+    :class:`~._upstream.DeadlinePassed` once ``deadline`` (event-loop time) has passed, whatever the
+    attempt. ``attempt`` makes each try afresh (its body, and how its answer is read); ``canary``: the
+    call that confirms a server's ejection besides its /health (an encoder's canary encode)."""
     role, stats = pool.role, pool.stats
+    if ledger is None:
+        ledger = Ledger()
     tried: list[str] = []
-    why: list[str] = []  # each failed try, for the error when none is left
+    why: list[tuple[str, str]] = []  # each failed try, for the error when none is left
     server: str | None = first
     last: UpstreamError | None = None
     while server is not None and len(tried) < pool.policy.max_attempts:
@@ -53,7 +62,7 @@ async def call(
             last = UpstreamUnavailable(
                 server, f"not used: {served or 'it did not say what it serves'}", role=role
             )
-            why.append(f"{server}: {last.reason}")
+            why.append((server, last.reason))
             server = pool.failover_target(tried, anyio.current_time(), preferred)
             continue
         label = pool.label(server)
@@ -76,19 +85,26 @@ async def call(
             result = this.read(server, reply)
         except UpstreamError as exc:
             stats.call(role, label, exc.outcome, time.perf_counter() - started)
-            if not exc.retryable:
-                raise
-            last = exc
-            why.append(f"{server}: {exc.reason}")
-            now = anyio.current_time()
-            if exc.blames_server:
-                pool.record_failure(server, now, exc.reason)
+            blame, failure, retract = ledger.judge(server, exc)
+            if blame == "suspect":  # failed as on another server: the request's fault if this one is well
+                healthy = await proves_healthy(pool, transport, server, canary) is None
+                blame, failure, retract = ledger.settle(server, exc, server_healthy=healthy)
+            pool.blamed(server, blame)
+            if not failure.retryable:
+                if retract is not None:
+                    pool.retract_failure(retract)
+                logger.info("%s; the request is at fault: not tried on another %s", failure.logged, role)
+                raise failure from None
+            last = failure
+            why.append((server, failure.reason))
+            if blame == "server" and pool.suspect(server, anyio.current_time(), failure.reason):
+                await confirm_failing(pool, transport, server, canary)
             more = len(tried) < pool.policy.max_attempts
-            server = pool.failover_target(tried, now, preferred) if more else None
+            server = pool.failover_target(tried, anyio.current_time(), preferred) if more else None
             if server is not None:
                 stats.failover(role, label)
             logger.warning(
-                "%s%s", exc.message, f"; retrying on {server}" if server else f"; no {role} left to try"
+                "%s%s", failure.logged, f"; retrying on {server}" if server else f"; no {role} left to try"
             )
             continue
         stats.call(role, label, "ok", time.perf_counter() - started)
@@ -96,7 +112,5 @@ async def call(
         return result
     assert last is not None
     if len(why) > 1:
-        # Every server tried, each with its reason: the last one alone would hide the others.
-        last.message = f"{last.message} (tried {len(why)} {role}s: {'; '.join(why)})"
-        last.args = (last.message,)
+        last.tried(why)
     raise last

@@ -110,6 +110,21 @@ class _PoolMetrics:
             f"Answers of a {role} that belonged to another request (refused; the call failed over).",
             [role],
         )
+        self.failures = prom.Counter(
+            f"epd_{role}_failures",
+            f"Failed {role} calls by who was at fault: server (counted towards its ejection), request "
+            "(vLLM's answer to bad input, the request's media failing to load, or the same failure on "
+            "another server), credentials (the client's own key refused), capped (not counted: the "
+            "request had cost another server a failure already), none (no slot free here), retracted "
+            "(counted, then taken back as the request's).",
+            [role, "blame"],
+        )
+        self.ejection_checks = prom.Counter(
+            f"epd_{role}_ejection_checks",
+            f"Confirmations before ejecting a {role} that failed eject_after calls in a row (its /health "
+            "and a canary encode): ejected, or kept (it was healthy: the failures were its requests').",
+            [role, "result"],
+        )
         self.healthy = prom.Gauge(
             f"epd_{role}_healthy",
             f"1 when the {role} server takes traffic, 0 while ejected.",
@@ -222,6 +237,16 @@ class Stats:
         self.counters[f"{role}_failovers"] += 1
         if self._prom is not None:
             self._child(self._prom.pools[role].failovers, server).inc()
+
+    def blame(self, role: str, server: str, blame: str) -> None:
+        self.counters[f"{role}_failures_blamed_{blame}"] += 1
+        if self._prom is not None:
+            self._child(self._prom.pools[role].failures, server, blame).inc()
+
+    def ejection_check(self, role: str, server: str, result: str) -> None:
+        self.counters[f"{role}_ejections_{result}"] += 1
+        if self._prom is not None:
+            self._child(self._prom.pools[role].ejection_checks, server, result).inc()
 
     def foreign_answer(self, role: str, server: str) -> None:
         self.counters[f"{role}_foreign_answers"] += 1

@@ -18,11 +18,12 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio.abc
 
-from ._checks import check_media_budget, check_media_policy, check_references
+from ._blame import Ledger
+from ._checks import check_media_budget, check_media_policy, check_references, check_references_again
 from ._compat import Expectation
 from ._context import RequestContext
 from ._discovery import Discovery
@@ -39,6 +40,7 @@ from ._scheduling import NO_SCHEDULING, scheduling_of
 from ._surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
 from .config import EPDConfig
 from .errors import (
+    NoHealthyUpstream,
     Overloaded,
     RefusedField,
     TooManyMediaItems,
@@ -47,7 +49,15 @@ from .errors import (
 from .host import Host
 from .transport import Transport
 
-__all__ = ["Pipeline", "RequestContext", "pool_policy", "refused_transfer_field"]
+__all__ = ["Pipeline", "Prepared", "RequestContext", "pool_policy", "refused_transfer_field"]
+
+
+class Prepared(NamedTuple):
+    """The body for the local engine, and whether any of its embeddings were pushed to it (Mooncake):
+    only then does an engine 500 after the push wait mean a push that was never loaded."""
+
+    body: bytes
+    pushed: bool = False
 
 
 @dataclass
@@ -164,17 +174,27 @@ class Pipeline:
         push_to, pin_rank = host.push_target(headers) if request.media else (None, None)
         if self.expectation is None and host.expectation is not None and self.config.check_models:
             self.expect(host.expectation)
-        if not self.config.forward_authorization or authorization is None:
+        forwarded = self.config.forward_authorization and authorization is not None
+        if not forwarded:
             authorization = self.config.encoder_authorization
         scheduling = scheduling_of(surface, request.fields, headers) if surface is not None else NO_SCHEDULING
         return RequestContext(
-            transport, request_id, host, authorization, push_to, pin_rank, route, scheduling=scheduling
+            transport,
+            request_id,
+            host,
+            authorization,
+            push_to,
+            pin_rank,
+            route,
+            scheduling=scheduling,
+            ledger=Ledger(request.media, credentials_forwarded=forwarded),
         )
 
     # The body for the engine -------------------------------------------------------------------------
 
-    async def prepare(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> bytes:
-        """The body the local engine should see.
+    async def prepare(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> Prepared:
+        """The body the local engine should see, and whether encoders were asked to push embeddings to
+        it (Mooncake).
 
         Raises an :class:`~epd_middleware.errors.EPDError` when the request must be answered with an
         error instead (limits, overload, encoders or prefill servers failing under the 'error' policy, a
@@ -184,7 +204,7 @@ class Pipeline:
         parts = len(request.media) + len(request.references)
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
-        check_references(surface, request, context.host, self.stats)
+        references = check_references(surface, request, context.host, self.stats)
         if context.host.media_policy is not None:
             await check_media_policy(surface, request, context.host.media_policy)
         budget = context.host.media_decode_budget
@@ -199,21 +219,31 @@ class Pipeline:
         try:
             for discovery in self.discoveries:
                 await discovery.ready()
-            fields, notes = request.fields, []
+            fields, notes, pushed = request.fields, [], False
             if request.media and (config.encoders or context.route.encoders):
                 encoded = await self._encode.run(surface, request, context)
-                fields, notes = encoded.fields, [encoded.note]
+                fields, notes, pushed = encoded.fields, [encoded.note], encoded.pushed
             elif request.media:
+                blocker = context.host.local_encoding_blocker
+                if blocker is not None:
+                    raise NoHealthyUpstream(
+                        f"no encoder is configured or named for this request, and {blocker}",
+                        config.retry_after,
+                    )
                 self.stats.encoder_source("local")  # no encoder anywhere: vLLM encodes it itself
+            if fields is request.fields and EC_TRANSFER_PARAMS in fields:
+                # Nothing of the client's own transfer parameters steers a transfer (with_handles).
+                fields = {name: value for name, value in fields.items() if name != EC_TRANSFER_PARAMS}
             if config.prefill or context.route.prefill:
                 prefilled = await self._prefill.run(surface, request, fields, context)
                 fields = prefilled.fields
                 notes.append(prefilled.note)
+            check_references_again(surface, references, context.host, self.stats)
             body = encode_fields(fields, compat=request.compat)
             said = [note for note in notes if note]
             if said and logger.isEnabledFor(logging.INFO):
                 logger.info("request %s: %s", context.request_id, "; ".join(said))
-            return body
+            return Prepared(body, pushed)
         except Unusable:
             # Never the client's body as it came instead: the engine would read what was not checked.
             raise UnwritableRequest from None

@@ -15,6 +15,7 @@ like members, and are forgotten once idle.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from ._compat import UNUSABLE, ModelGate
 from ._logs import logger
 from ._metrics import Stats
 from ._upstream import Capacity
+from .errors import NoHealthyUpstream
 
 __all__ = ["OTHER_SERVERS", "PoolPolicy", "ServerPool"]
 
@@ -65,6 +67,14 @@ class Health:
     model: str = "unchecked"
     served: str = ""
     last_failure: str = ""
+    # Its ejection is being confirmed (_probes.confirm_failing): the calls that fail meanwhile only count.
+    confirming: bool = False
+    # Until when it is known healthy on its own (_probes.proves_healthy), and whether a canary said so.
+    proven_until: float = 0.0
+    proven_by_canary: bool = False
+    # Failed calls by who was at fault (_blame.BLAMES), and ejections the confirmation averted.
+    blamed: Counter[str] = field(default_factory=Counter)
+    kept: int = 0
 
     def problem(self, now: float) -> str | None:
         """Why the server is not healthy at ``now`` (ejected, another model, no answer about its model),
@@ -227,21 +237,65 @@ class ServerPool:
             self.export_health(url)
 
     def record_failure(self, url: str, now: float, reason: str) -> None:
+        """Count a failure that is evidence of itself (a failed health check, no answer about the model):
+        ``eject_after`` in a row eject the server."""
+        if self.suspect(url, now, reason):
+            self.eject(url, now)
+
+    def suspect(self, url: str, now: float, reason: str) -> bool:
+        """Count a failed call the server was blamed for (:mod:`._blame`). True when that makes
+        ``eject_after`` in a row and the server is not out already: its ejection is to be confirmed
+        independently first (:func:`._probes.confirm_failing`, then :meth:`eject` or :meth:`keep`)."""
         health, policy = self.record(url), self.policy
         health.failures += 1
         health.last_failure = reason
-        if health.failures >= policy.eject_after and health.ejected_until <= now:
-            health.cooldown = min(health.cooldown * 2 or policy.eject_cooldown, policy.max_eject_cooldown)
-            health.ejected_until = now + health.cooldown
-            self.export_health(url)
-            logger.warning(
-                "%s %s ejected for %.1f s after %d failures in a row (last: %s)",
-                self.role,
-                url,
-                health.cooldown,
-                health.failures,
-                reason,
-            )
+        return health.failures >= policy.eject_after and health.ejected_until <= now and not health.confirming
+
+    def retract_failure(self, url: str) -> None:
+        """Take back a failure counted against ``url``: the request was at fault after all."""
+        health = self.known(url)
+        if health is not None and health.failures > 0:
+            health.failures -= 1
+        self.blamed(url, "retracted")
+
+    def blamed(self, url: str, blame: str) -> None:
+        """Count one failed call of ``url`` by who was at fault (:data:`._blame.BLAMES`)."""
+        self.record(url).blamed[blame] += 1
+        self.stats.blame(self.role, self.label(url), blame)
+
+    def eject(self, url: str, now: float, why: str = "") -> None:
+        """Take ``url`` out for a cool-down that doubles while it keeps failing."""
+        health, policy = self.record(url), self.policy
+        health.cooldown = min(health.cooldown * 2 or policy.eject_cooldown, policy.max_eject_cooldown)
+        health.ejected_until = now + health.cooldown
+        health.proven_until = 0.0
+        self.export_health(url)
+        self.stats.ejection_check(self.role, self.label(url), "ejected")
+        logger.warning(
+            "%s %s ejected for %.1f s after %d failures in a row (last: %s)%s",
+            self.role,
+            url,
+            health.cooldown,
+            health.failures,
+            health.last_failure,
+            f"; {why}" if why else "",
+        )
+
+    def keep(self, url: str, why: str) -> None:
+        """``url`` failed ``eject_after`` calls in a row but proved itself healthy: the failures were
+        its requests' doing, so it stays, its count starting again."""
+        health = self.record(url)
+        logger.warning(
+            "%s %s failed %d calls in a row (last: %s) but %s: kept in the pool",
+            self.role,
+            url,
+            health.failures,
+            health.last_failure,
+            why,
+        )
+        health.failures = 0
+        health.kept += 1
+        self.stats.ejection_check(self.role, self.label(url), "kept")
 
     def snapshot(self, now: float) -> dict[str, dict[str, Any]]:
         """Health and load of every server known (``member``: in the pool, else named by a scheduler or
@@ -253,6 +307,8 @@ class ServerPool:
                 "why_not": problem,
                 "consecutive_failures": health.failures,
                 "ejected_for_s": max(0.0, health.ejected_until - now),
+                "failures_by_blame": dict(health.blamed),
+                "ejections_averted": health.kept,
                 "in_flight": health.capacity.in_flight,
                 "model": {"state": health.model, "served": health.served},
             }
@@ -266,18 +322,24 @@ class ServerPool:
         return url if url in self._member_set else OTHER_SERVERS
 
 
-def no_server_left(pool: ServerPool, noun: str) -> str:
-    """Why no server of ``pool`` can take a call, for the client: no member serves this server's model
-    (which it names), or every member is failing, each with its reason."""
+def no_server_left(pool: ServerPool, noun: str, retry_after: int) -> NoHealthyUpstream:
+    """The answer when no server of ``pool`` can take a call: no member serves this server's model
+    (which it names), or every member is failing, each with its reason (the servers' addresses in the
+    log's version only)."""
     now = anyio.current_time()
-    problems = pool.problems(now)
+    failing = [(url, problem) for url in pool.members if (problem := pool.record(url).problem(now))]
     expectation = pool.models.expectation
-    if (
-        pool.members
-        and expectation is not None
-        and all(pool.record(url).model == "mismatch" for url in pool.members)
-    ):
-        return f"no {noun} serves {expectation.describe()} ({'; '.join(problems)})"
-    if not pool.members:
-        return f"every {noun} is gone (the pool has no members); retry later"
-    return f"every {noun} is failing its calls ({'; '.join(problems)}); retry later"
+
+    def said(with_urls: bool) -> str:
+        problems = "; ".join(f"{url}: {why}" if with_urls else why for url, why in failing)
+        if (
+            pool.members
+            and expectation is not None
+            and all(pool.record(url).model == "mismatch" for url in pool.members)
+        ):
+            return f"no {noun} serves {expectation.describe()} ({problems})"
+        if not pool.members:
+            return f"every {noun} is gone (the pool has no members); retry later"
+        return f"every {noun} is failing its calls ({problems}); retry later"
+
+    return NoHealthyUpstream(said(False), retry_after, internal=said(True))

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import anyio
 
 from . import _failover as failover
+from ._blame import Ledger
 from ._context import RequestContext
 from ._logs import logger
 from ._metrics import Stats
@@ -68,13 +69,14 @@ class PrefillStage:
                 retry_after=config.retry_after,
                 preferred=(route.prefill,) if route.prefill else (),
                 compat=request.compat,
+                ledger=context.ledger,
             )
         except (UpstreamError, NoHealthyUpstream) as exc:
             rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad
             if config.on_prefill_failure != "local" or rejected:
                 raise
             self.stats.request("prefill_fallback")
-            logger.warning("request %s: prefilled by the local engine: %s", context.request_id, exc.message)
+            logger.warning("request %s: prefilled by the local engine: %s", context.request_id, exc.logged)
             return Prefilled(decode_fields(fields, None))
         elapsed = time.perf_counter() - started
         self.stats.stage("prefill", elapsed)
@@ -115,17 +117,25 @@ async def prefill(
     retry_after: int,
     preferred: Sequence[str] = (),
     compat: bool = False,
+    ledger: Ledger | None = None,
 ) -> dict[str, Any] | None:
     """Prefill ``fields`` on the first usable ``preferred`` server (a scheduler's choice), else the
     next of the pool (failing over); P's ``kv_transfer_params``. ``compat``: the body is written as
     Python's json writes it (:attr:`~epd_middleware._surfaces.ParsedRequest.compat`)."""
     server = pool.pick(anyio.current_time(), preferred)
     if server is None:
-        raise NoHealthyUpstream(no_server_left(pool, "prefill server"), retry_after)
+        raise no_server_left(pool, "prefill server", retry_after)
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
     body = outgoing_body(prefill_fields(fields, surface), compat=compat)
     return await failover.call(
-        pool, transport, server, surface.path, lambda: Attempt(body, _kv_transfer_params), headers, preferred
+        pool,
+        transport,
+        server,
+        surface.path,
+        lambda: Attempt(body, _kv_transfer_params),
+        headers,
+        preferred,
+        ledger=ledger,
     )
 
 

@@ -1,48 +1,131 @@
 """Active health: every ``health_check_interval`` seconds each member of a pool is asked ``GET /health``
 (a recovered server comes back, a silent one counts a failure), and, while the servers must serve this
-server's model, those not known to serve it are asked what they serve again.
+server's model, those not known to serve it are asked what they serve again. And the confirmation a
+server's ejection waits for after its calls failed (:func:`confirm_failing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import anyio
 
 from ._logs import logger
 from ._pool import ServerPool
+from ._protocol import CHAT_COMPLETIONS_PATH
+from ._upstream import Attempt, post_once
+from .errors import UpstreamError
 from .transport import HTTPError, Transport, UnsendableRequest
 
-__all__ = ["probe", "probe_forever"]
+__all__ = ["confirm_failing", "probe", "probe_forever", "proves_healthy"]
+
+# How long a server's proof of health holds where health probes are off.
+_PROOF_HOLDS_S = 5.0
 
 
 async def probe(pool: ServerPool, transport: Transport, headers: Mapping[str, str]) -> None:
     """GET /health on every member once, concurrently; brings recovered servers back."""
 
     async def one(url: str) -> None:
-        try:
-            with anyio.fail_after(pool.policy.health_check_timeout):
-                status, _ = await transport.request("GET", f"{url}/health", headers=headers)
-            ok = status == 200
-            reason = f"health check HTTP {status}"
-        except TimeoutError:
-            ok, reason = False, "health check timed out"
-        except (HTTPError, UnsendableRequest) as exc:
-            ok, reason = False, f"health check failed: {exc.reason}"
-        except Exception as exc:
-            # A bug in a custom transport costs this probe, not the lifespan's probing of every server.
-            logger.exception("unexpected error probing %s %s", pool.role, url)
-            ok, reason = False, f"health check failed: unexpected {type(exc).__name__}"
-        if ok:
+        problem = await _health_problem(pool, transport, url, headers)
+        if problem is None:
             pool.record_success(url)
         else:
-            pool.record_failure(url, anyio.current_time(), reason)
+            pool.record_failure(url, anyio.current_time(), problem)
 
     async with anyio.create_task_group() as group:
         for url in pool.members:
             group.start_soon(one, url)
     if pool.models.expectation is not None:
         await pool.models.check(transport, (), headers, recheck=True)
+
+
+async def _health_problem(
+    pool: ServerPool, transport: Transport, url: str, headers: Mapping[str, str]
+) -> str | None:
+    """Why ``GET /health`` says ``url`` is not healthy, or None when it answers 200 in time."""
+    try:
+        with anyio.fail_after(pool.policy.health_check_timeout):
+            status, _ = await transport.request("GET", f"{url}/health", headers=headers)
+    except TimeoutError:
+        return "health check timed out"
+    except (HTTPError, UnsendableRequest) as exc:
+        return f"health check failed: {exc.reason}"
+    except Exception as exc:
+        # A bug in a custom transport costs this probe, not the lifespan's probing of every server.
+        logger.exception("unexpected error probing %s %s", pool.role, url)
+        return f"health check failed: unexpected {type(exc).__name__}"
+    return None if status == 200 else f"health check HTTP {status}"
+
+
+async def confirm_failing(
+    pool: ServerPool,
+    transport: Transport,
+    url: str,
+    canary: Callable[[], Attempt[None]] | None = None,
+) -> None:
+    """``url`` failed ``eject_after`` calls in a row: eject it only if it also fails on its own, without
+    any client's request (:func:`proves_healthy`); otherwise it is kept, its failures were its
+    requests'. The calls that fail meanwhile only count (one confirmation at a time)."""
+    health = pool.record(url)
+    health.confirming = True
+    try:
+        problem = await proves_healthy(pool, transport, url, canary)
+    finally:
+        health.confirming = False
+    if problem is None:
+        pool.keep(url, "it answers its health check" + (" and a canary encode" if canary else ""))
+    else:
+        pool.eject(url, anyio.current_time(), f"confirmed: {problem}")
+
+
+async def proves_healthy(
+    pool: ServerPool,
+    transport: Transport,
+    url: str,
+    canary: Callable[[], Attempt[None]] | None = None,
+) -> str | None:
+    """Why ``url`` is not healthy on its own, with nothing of any client's in the calls: its ``/health``,
+    then the ``canary`` call where one is given (an encoder's canary encode), each within the
+    health-check timeout; None when it is. A proof holds for a health-check interval (5 s where probes
+    are off), so a stream of failing requests costs the server one canary a while, not one each."""
+    health, now = pool.record(url), anyio.current_time()
+    if health.proven_until > now and (canary is None or health.proven_by_canary):
+        return None
+    problem = await _health_problem(pool, transport, url, pool.models.headers)
+    if problem is None and canary is not None:
+        problem = await _canary_problem(pool, transport, url, canary)
+    if problem is None:
+        interval = pool.policy.health_check_interval
+        health.proven_until = anyio.current_time() + (interval if interval > 0 else _PROOF_HOLDS_S)
+        health.proven_by_canary = canary is not None
+    else:
+        health.proven_until = 0.0
+    return problem
+
+
+async def _canary_problem(
+    pool: ServerPool, transport: Transport, url: str, canary: Callable[[], Attempt[None]]
+) -> str | None:
+    attempt = canary()
+    try:
+        reply = await post_once(
+            transport,
+            url,
+            CHAT_COMPLETIONS_PATH,
+            attempt.body,
+            pool.models.headers,
+            role=pool.role,
+            label=pool.label(url),
+            capacity=pool.record(url).capacity,
+            call_timeout=pool.policy.health_check_timeout,
+            deadline=None,
+            stats=pool.stats,
+        )
+        attempt.read(url, reply)
+    except UpstreamError as exc:
+        return f"the canary encode failed: {exc.reason}"
+    return None
 
 
 async def probe_forever(pool: ServerPool, transport: Transport, headers: Mapping[str, str]) -> None:

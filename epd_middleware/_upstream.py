@@ -24,6 +24,7 @@ from .errors import (
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamUnavailable,
+    VllmError,
 )
 from .transport import Body, HTTPError, Transport, UnsendableRequest
 
@@ -195,14 +196,16 @@ async def _wait_for_a_slot(
 
 def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, Any]:
     """What a server's answer means: its JSON object for a 200, else the failure its status says
-    (retryable or a rejection of the request itself)."""
+    (retryable, or a rejection of the request itself), with vLLM's own error where it sent one: who is
+    at fault is judged from it (:mod:`._blame`)."""
     if status != 200:
-        detail = _error_detail(content)
+        detail = vllm_error(content)
         if status >= 500 or status in RETRYABLE_STATUSES:
-            if status >= 500 and detail:
-                # Server errors may carry internals: the log gets them, the client does not.
-                logger.warning("%s %s answered HTTP %d: %s", role, server, status, detail)
-            raise UpstreamStatusError(server, status, "" if status >= 500 else detail, role=role)
+            if status >= 500 and detail is not None:
+                # Server errors may carry internals: the log gets them, the client only where the
+                # request is found at fault (then vLLM alone would have answered the same).
+                logger.warning("%s %s answered HTTP %d: %s", role, server, status, detail.message)
+            raise UpstreamStatusError(server, status, detail, role=role)
         if 400 <= status < 500:
             raise UpstreamRejected(server, status, detail, role=role)
         raise UpstreamStatusError(server, status, role=role)
@@ -223,14 +226,21 @@ def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, 
     return reply
 
 
-def _error_detail(content: bytes) -> str:
-    """The server's own error message when it sent an OpenAI-style body, cut short."""
+def vllm_error(content: bytes) -> VllmError | None:
+    """The server's own error when it sent vLLM's (OpenAI's) shape, its message cut short."""
     try:
-        reply: Any = _decode_reply(content)
-        message = reply["error"]["message"]
+        error: Any = _decode_reply(content)["error"]
+        message = error["message"]
     except (msgspec.DecodeError, RecursionError, KeyError, TypeError):
-        return ""
-    return str(message)[:_MAX_DETAIL]
+        return None
+    if not isinstance(error, dict):
+        return None
+    kind, param = error.get("type"), error.get("param")
+    return VllmError(
+        str(message)[:_MAX_DETAIL],
+        kind[:_MAX_DETAIL] if isinstance(kind, str) else None,
+        param[:_MAX_DETAIL] if isinstance(param, str) else None,
+    )
 
 
 def within_depth(value: Any, limit: int) -> bool:

@@ -228,6 +228,14 @@ class EPDConfig(BaseModel):
         ge=0,
         description="Seconds sent in Retry-After with a 503.",
     )
+    expose_upstream_addresses: bool = Field(
+        default=False,
+        description=(
+            "Name the encoders and prefill servers (their URLs, the addresses DNS gave) in the errors "
+            "clients read, for debugging. Off: clients read the role and the reason, the log and "
+            "/epd/status name the server (addresses are the deployment's, not the clients')."
+        ),
+    )
     paths: tuple[str, ...] = Field(
         default=("/v1/chat/completions", "/invocations"),
         description=(
@@ -655,6 +663,7 @@ class EPDOptions(TypedDict, total=False):
     max_inflight_per_encoder: int
     max_pending_requests: int
     retry_after: int
+    expose_upstream_addresses: bool
     paths: Sequence[str]
     batch_paths: Sequence[str]
     messages_paths: Sequence[str]

@@ -1,7 +1,9 @@
 """Typed errors of the request path and the OpenAI-style JSON bodies clients see for them.
 
-Messages name the encoder or prefill server (by its configured URL) and the reason, never a stack
-trace, a request body, or an address the operator did not configure.
+What a client reads (``message``) names the role that failed (encoder, prefill server) and the reason,
+never a stack trace, a request body, or an address of the deployment: encoder URLs and pod addresses are
+the operator's. The same error naming the server (``internal``) goes to the log and the status page, and
+to clients only under ``expose_upstream_addresses`` (debugging).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ __all__ = [
     "Overloaded",
     "RefusedField",
     "RequestNotSendable",
+    "RequestTimedOut",
     "TooManyMediaItems",
     "Unauthorized",
     "UnreadableRequest",
@@ -31,6 +34,7 @@ __all__ = [
     "UpstreamStatusError",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "VllmError",
 ]
 
 _encode = msgspec.json.Encoder().encode
@@ -44,10 +48,23 @@ class EPDError(Exception):
 
     status: int = 500
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, param: str | None = None, internal: str | None = None) -> None:
+        super().__init__(internal or message)
         self.message = message
         self.param = param
+        # The message naming the deployment's own addresses, for the log; None where ``message`` names
+        # none.
+        self.internal = internal
+
+    @property
+    def logged(self) -> str:
+        """What the log says of it: the message with the servers' addresses."""
+        return self.internal or self.message
+
+    def expose(self) -> None:
+        """Answer the message naming the servers (``expose_upstream_addresses``)."""
+        if self.internal is not None:
+            self.message = self.internal
 
     @property
     def error_type(self) -> str:
@@ -163,8 +180,8 @@ class ForbiddenTarget(EPDError):
 class _RetryLater(EPDError):
     status = 503
 
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after: int, *, internal: str | None = None) -> None:
+        super().__init__(message, internal=internal)
         self.retry_after = retry_after
 
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -180,19 +197,38 @@ class NoHealthyUpstream(_RetryLater):
 
 
 class UpstreamError(EPDError):
-    """A call to an encoder or a prefill server that did not give a usable answer; names the server (by
-    its configured URL), its role and the reason."""
+    """A call to an encoder or a prefill server that did not give a usable answer. The client reads the
+    role and the reason; ``server`` (its configured URL, or the address DNS gave) is for the log."""
 
     status = 502
     retryable = True  # another server of the pool may succeed where this one failed
     outcome = "failed"  # the outcome label of the call in metrics
-    blames_server = True  # counts a failure of the server (towards its ejection)
+    blames_server = True  # may count a failure of the server (towards its ejection): _blame.py decides
 
     def __init__(self, server: str, reason: str, *, role: str = "encoder") -> None:
-        super().__init__(f"{role} {server} failed: {reason}")
+        super().__init__(f"{_a(role)} failed: {reason}", internal=f"{role} {server} failed: {reason}")
         self.server = server
         self.role = role
         self.reason = reason
+
+    def tried(self, reasons: list[tuple[str, str]]) -> None:
+        """Say every server the call tried, each with its reason (the last one alone would hide the
+        others); the client reads the reasons, the log the servers too."""
+        role = self.role
+        self.message = (
+            f"{self.message} (tried {len(reasons)} {role}s: {'; '.join(why for _, why in reasons)})"
+        )
+        self.internal = (
+            f"{self.logged} (tried {len(reasons)} {role}s: "
+            + "; ".join(f"{server}: {why}" for server, why in reasons)
+            + ")"
+        )
+        self.args = (self.internal,)
+
+
+def _a(role: str) -> str:
+    """The role as the client reads it: "an encoder", "a prefill server"."""
+    return "an encoder" if role == "encoder" else f"a {role} server"
 
 
 class UpstreamUnavailable(UpstreamError):
@@ -216,30 +252,83 @@ class UpstreamBusy(UpstreamError):
 
 
 class UpstreamStatusError(UpstreamError):
-    """The server answered 5xx or a status about itself (401, 403, 408, 429)."""
+    """The server answered 5xx or a status about itself (401, 403, 408, 429). ``detail``: vLLM's own
+    error (message, type, param), kept for judging who is at fault; a 5xx's message is not shown to the
+    client (server errors may carry internals) unless the request is found at fault."""
 
     outcome = "status"
 
-    def __init__(self, server: str, status_code: int, detail: str = "", *, role: str = "encoder") -> None:
+    def __init__(
+        self, server: str, status_code: int, detail: VllmError | None = None, *, role: str = "encoder"
+    ) -> None:
+        shown = detail.message if detail is not None and status_code < 500 else ""
         super().__init__(
-            server, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}", role=role
+            server, f"HTTP {status_code}: {shown}" if shown else f"HTTP {status_code}", role=role
         )
         self.status_code = status_code
+        self.detail = detail
+
+
+class VllmError:
+    """vLLM's error answer (``{"error": {"message", "type", "param"}}``), as a server gave it."""
+
+    __slots__ = ("message", "param", "type")
+
+    def __init__(self, message: str, type: str | None = None, param: str | None = None) -> None:
+        self.message = message
+        self.type = type
+        self.param = param
 
 
 class UpstreamRejected(UpstreamError):
-    """The server said the request itself is bad (400, 404, 413, 422 ...): no other server will differ,
-    so the client gets the server's status and message."""
+    """The request itself is at fault, by the server's answer or by the evidence of several (_blame.py):
+    no other server would differ, so the client gets what vLLM answers (its status, message, type and
+    param) and no server is blamed."""
 
     retryable = False
     outcome = "rejected"
+    blames_server = False
 
-    def __init__(self, server: str, status_code: int, detail: str, *, role: str = "encoder") -> None:
-        super().__init__(
-            server, f"HTTP {status_code}: {detail}" if detail else f"HTTP {status_code}", role=role
-        )
+    def __init__(
+        self,
+        server: str,
+        status_code: int,
+        detail: VllmError | str | None = None,
+        *,
+        role: str = "encoder",
+        evidence: str = "the server's answer",
+    ) -> None:
+        if isinstance(detail, str):
+            detail = VllmError(detail)
+        said = detail.message if detail is not None else ""
+        super().__init__(server, f"HTTP {status_code}: {said}" if said else f"HTTP {status_code}", role=role)
+        # vLLM's own words where it gave some: what a single instance would answer.
+        self.message = said or f"{_a(role)} answered HTTP {status_code} to this request"
+        self.internal = f"{role} {server} answered HTTP {status_code} ({evidence}): {said}"
+        self.args = (self.internal,)
         self.status_code = status_code
         self.status = status_code
+        self.evidence = evidence
+        self.vllm_type = detail.type if detail is not None else None
+        if detail is not None and detail.param is not None:
+            self.param = detail.param
+
+    @property
+    def error_type(self) -> str:
+        # vLLM's own type where it named one ("NotImplementedError", "UnprocessableEntityError").
+        if self.vllm_type and self.vllm_type.isidentifier() and len(self.vllm_type) <= 64:
+            return self.vllm_type
+        return super().error_type
+
+
+class RequestTimedOut(UpstreamError):
+    """The same request timed out on more than one server: its own media (a host that never answers the
+    encoder's fetch) is the likely cause, so it is not tried on more and no server is blamed."""
+
+    status = 504
+    retryable = False
+    outcome = "timeout"
+    blames_server = False
 
 
 class UpstreamBadReply(UpstreamError):
@@ -255,11 +344,13 @@ class RequestNotSendable(UpstreamError):
     status = 400
     retryable = False
     outcome = "not_sent"
+    blames_server = False
 
     def __init__(self, server: str, reason: str, *, role: str = "encoder") -> None:
         super().__init__(server, reason, role=role)
-        self.message = f"the request cannot be sent to {role} {server}: {reason}"
-        self.args = (self.message,)
+        self.message = f"the request cannot be sent to {_a(role)}: {reason}"
+        self.internal = f"the request cannot be sent to {role} {server}: {reason}"
+        self.args = (self.internal,)
 
 
 class StartupFailed(RuntimeError):

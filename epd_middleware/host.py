@@ -75,6 +75,9 @@ class Host:
     # vLLM's budget of decoded media bytes per request (VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES, 0.33);
     # None where the server has none.
     media_decode_budget: int | None = None
+    # What is done with media no encoder could take (the on_encoder_failure option): "local" leaves it
+    # to this server's engine, which only some servers can do (local_encoding_blocker).
+    on_encoder_failure: str = "error"
     _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _next_rank: int = field(init=False, default=0, repr=False, compare=False)
 
@@ -91,6 +94,7 @@ class Host:
             storage=config.ec_storage_path if config.check_embeddings else None,
             push=_consumer_option(config),
             expectation=_expected_model(config),
+            on_encoder_failure=config.on_encoder_failure,
         )
 
     @classmethod
@@ -136,6 +140,7 @@ class Host:
             model_runner=_model_runner(vllm_config),
             push_wait_s=_push_wait(ec),
             media_decode_budget=_media_decode_budget(),
+            on_encoder_failure=config.on_encoder_failure if config else "error",
         )
         if config is not None:
             host._announce(config)
@@ -174,7 +179,30 @@ class Host:
                 "on GPUs; VLLM_USE_V2_MODEL_RUNNER=1, and none of the features V2 lacks), or use "
                 "ECExampleConnector; see docs/topologies.md#the-v1-runner-bug"
             )
+        blocker = self.local_encoding_blocker
+        if self.on_encoder_failure == "local" and blocker is not None:
+            problems.append(
+                f"on_encoder_failure=local cannot work here: {blocker}. Media no encoder could take is "
+                "answered with the middleware's own 502, 503 or 504 at once instead; set "
+                "EPD_ON_ENCODER_FAILURE=error to say so, or use ECExampleConnector for a PD that can "
+                "encode; see docs/resilience.md#media-left-raw-on-a-mooncake-consumer"
+            )
         return problems
+
+    @property
+    def local_encoding_blocker(self) -> str | None:
+        """Why this server's engine cannot encode media itself, or None where it can. A Mooncake
+        consumer cannot: vLLM's engine waits for a push of every multimodal item it has neither
+        prefix-cached nor in its local cache, whether or not anyone was asked to push it
+        (``mooncake/scheduler.py`` ``ensure_cache_available``, 0.32 and 0.33), and fails the request
+        with a bare 500 after the whole push wait. Media left raw there is an error at once instead."""
+        if self.push is None and not (self.ec_connector == MOONCAKE_EC_CONNECTOR and self.ec_consumer):
+            return None
+        wait = f"{self.push_wait_s:g} s" if self.push_wait_s is not None else "the push wait"
+        return (
+            "this server is an ECMooncakeConnector consumer, whose engine encodes no media itself: it "
+            f"waits for a push of every image, audio or video ({wait}) and then fails"
+        )
 
     @property
     def kv_consumer(self) -> bool:

@@ -36,6 +36,7 @@ from .fakes import (
     derived_hash,
     encoder_reply,
     item_metadata,
+    media_failure,
     models_answer,
     part_modality,
     reported_entries,
@@ -269,6 +270,9 @@ def encoder(storage: Path | None = None) -> Callable[[Call], Answer]:
     written where ECExampleConnector keeps it (``<storage>/<hash>/encoder_cache.safetensors``)."""
 
     def handler(call: Call) -> Answer:
+        failed = media_failure(call.json)
+        if failed is not None:
+            return failed[0], json.dumps(failed[1]).encode()
         reply = encoder_answer(call)
         if storage is not None:
             for mm_hash in reply["ec_transfer_params"]:

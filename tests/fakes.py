@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from epd_middleware import EPDMiddleware
+from epd_middleware._canary import CANARY_UUID
 
 DEFAULT_GRID = [1, 36, 26]  # 234 tokens after the 2x2 merge
 SMALL_GRID = [1, 12, 18]  # 54 tokens
@@ -54,6 +55,46 @@ def derived_hash(model: str, uuid: str, modality: str, body: Mapping[str, Any]) 
         return uuid
     text = json.dumps({"model_id": model, modality: uuid, **factors}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+# What vLLM answers when it cannot load a request's media (multimodal/media/connector.py, and its error
+# mapping in entrypoints/serve/exception_handling/error_response.py): the same on every server.
+NOT_BASE64 = "Only base64 data URLs are supported for now."
+
+
+def media_failure(body: Any) -> tuple[int, dict[str, Any]] | None:
+    """vLLM's answer to a request whose media it cannot load, as an encoder gives it: 501 for a data URL
+    that is not base64, 500 naming the host for an image host that does not resolve (``*.invalid``, as
+    aiohttp's ClientConnectorDNSError reads); None when the media loads."""
+    for url in _image_urls(body):
+        if url[:5].lower() == "data:" and not url.partition(",")[0].endswith(";base64"):
+            return 501, _vllm_error(NOT_BASE64, "NotImplementedError", 501)
+        host = url.split("://", 1)[1].split("/", 1)[0] if "://" in url else ""
+        if host.endswith(".invalid"):
+            said = f"Cannot connect to host {host}:80 ssl:default [Name or service not known]"
+            return 500, _vllm_error(said, "InternalServerError", 500)
+    return None
+
+
+def _image_urls(value: Any) -> list[str]:
+    if isinstance(value, list):
+        return [url for item in value for url in _image_urls(item)]
+    if not isinstance(value, dict):
+        return []
+    inner = value.get("image_url")
+    if isinstance(inner, dict) and isinstance(inner.get("url"), str):
+        return [inner["url"]]
+    return [url for item in value.values() for url in _image_urls(item)]
+
+
+def _vllm_error(message: str, kind: str, status: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def is_canary(body: Mapping[str, Any]) -> bool:
+    """Whether an encoder call is the middleware's canary encode (_canary.py), not a client's."""
+    content = body["messages"][0]["content"]
+    return len(content) == 1 and content[0].get("uuid") == CANARY_UUID
 
 
 def content_hash(url: str) -> str:
@@ -134,6 +175,8 @@ class FakeEncoders:
     urls: list[str]
     mode: dict[str, str] = field(default_factory=dict)
     calls: list[EncoderCallRecord] = field(default_factory=list)
+    # The middleware's canary encodes (confirming an ejection), kept apart from the clients' calls.
+    canaries: list[EncoderCallRecord] = field(default_factory=list)
     started: anyio.Event | None = None
     cancelled: list[str] = field(default_factory=list)
     completed: list[str] = field(default_factory=list)
@@ -142,6 +185,8 @@ class FakeEncoders:
     storage: Path | None = None
     skip_store: set[str] = field(default_factory=set)
     delay: float = 0.0
+    # Seconds each call takes after it is recorded and ``started`` is set.
+    pause: float = 0.0
     # The vLLM version whose answer shape the encoders give ("0.32", "0.33": entries name a modality).
     version: str = "0.32"
     in_flight: dict[str, int] = field(default_factory=dict)
@@ -181,12 +226,17 @@ class FakeEncoders:
         if self.delay:
             await anyio.sleep(self.delay)
         body = json.loads(request.content)
-        self.calls.append(EncoderCallRecord(encoder, body, dict(request.headers)))
+        record = EncoderCallRecord(encoder, body, dict(request.headers))
+        (self.canaries if is_canary(body) else self.calls).append(record)
         mode = self.mode.get(encoder, "ok")
         if self.started is not None:
             self.started.set()
+        if self.pause:  # a slow encode, seen started
+            await anyio.sleep(self.pause)
         if mode == "refuse":
             raise httpx.ConnectError("connection refused", request=request)
+        if (failed := media_failure(body)) is not None:
+            return httpx.Response(failed[0], json=failed[1])
         if mode == "drop_connection":
             raise httpx.RemoteProtocolError("peer closed connection", request=request)
         if mode == "hang":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 from typing import Any
 
@@ -280,14 +281,15 @@ async def test_uuid_only_reference_stays_and_keeps_its_modality_raw() -> None:
     assert reference not in sent
 
 
-async def test_client_ec_transfer_params_are_kept_and_merged() -> None:
+async def test_client_ec_transfer_params_never_reach_the_engine() -> None:
+    """A client's entries would steer a transfer (a peer host, a push address: issue 29, item 6).
+    Before: merged beside the handles."""
     encoders, engine = FakeEncoders([E0]), FakeEngine()
     app, _ = build_app(encoders, engine)
-    own = {"something-else": {"peer_host": "10.0.0.1"}}
+    own = {"something-else": {"peer_host": "10.0.0.1"}, "consumer_zmq": "tcp://10.0.0.1:5555"}
     assert (await post(app, chat_body(image(png(1)), ec_transfer_params=own))).status_code == 200
     params = engine.received[0].json["ec_transfer_params"]
-    assert params["something-else"] == own["something-else"]
-    assert len(params) == 2
+    assert list(params) == [encoders.calls[0].body["messages"][0]["content"][0]["uuid"]]
 
 
 @pytest.mark.parametrize("mode", ["no_entries", "empty_metadata"])
@@ -349,30 +351,37 @@ async def test_request_id_is_propagated_to_encoders_and_generated_when_missing()
 @pytest.mark.parametrize(
     ("mode", "status", "reason"),
     [
-        ("500", 502, "HTTP 500"),
-        ("400", 400, "HTTP 400: bad mm_processor_kwargs"),
-        ("refuse", 502, "connection failed"),
-        ("drop_connection", 502, "connection closed"),
-        ("garbage", 502, "not JSON"),
-        ("not_object", 502, "not a JSON object"),
+        ("500", 502, "an encoder failed: HTTP 500"),
+        ("400", 400, "bad mm_processor_kwargs"),  # vLLM's own words, as a single instance answers
+        ("refuse", 502, "an encoder failed: connection failed"),
+        ("drop_connection", 502, "an encoder failed: connection closed"),
+        ("garbage", 502, "an encoder failed: the answer is not JSON"),
+        ("not_object", 502, "an encoder failed: the answer is not a JSON object"),
         ("bad_indices", 502, "out of range"),
         ("unmatched", 502, "matches none"),
-        ("hang", 504, "no answer within 0.2 s"),
+        ("hang", 504, "an encoder failed: no answer within 0.2 s"),
     ],
 )
-async def test_encoder_failures_become_openai_errors_naming_the_encoder(
-    mode: str, status: int, reason: str
+@pytest.mark.parametrize("expose", [False, True])
+async def test_encoder_failures_become_openai_errors_naming_the_encoder_in_the_log(
+    mode: str, status: int, reason: str, expose: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The client reads the role and the reason; which encoder (an address of the deployment) is in
+    the log, and in the answer only with expose_upstream_addresses (issue 29, item 15)."""
+    caplog.set_level(logging.INFO, "epd_middleware")
     encoders, engine = FakeEncoders([E0, E1], mode={E1: mode}), FakeEngine()
-    app, _ = build_app(encoders, engine, encoder_timeout=0.2, max_attempts=1)
+    app, _ = build_app(
+        encoders, engine, encoder_timeout=0.2, max_attempts=1, expose_upstream_addresses=expose
+    )
     with anyio.fail_after(10):
         response = await post(app, chat_body(image(png(1)), image(png(2))))
     assert response.status_code == status
     error = response.json()["error"]
     assert set(error) >= {"message", "type", "code"}
     assert error["code"] == status
-    assert E1 in error["message"]
-    assert reason in error["message"]
+    assert (reason in error["message"]) or expose
+    assert (E1 in error["message"]) == expose
+    assert E1 in caplog.text
     assert engine.received == []
 
 
@@ -383,7 +392,7 @@ async def test_httpx_client_timeout_is_a_504_too() -> None:
     app, _ = app_with_encoder_handler(slow, encoders=[E0])
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == 504
-    assert E0 in response.json()["error"]["message"]
+    assert response.json()["error"]["message"].startswith("an encoder failed: ")
 
 
 async def test_oversized_body_gets_413_without_reading_it_all() -> None:

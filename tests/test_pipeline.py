@@ -151,7 +151,7 @@ def context_of(
 
 
 async def prepared(pipe: Pipeline, surface: Surface, request: ParsedRequest, context: RequestContext) -> Any:
-    return json.loads(await pipe.prepare(surface, request, context))
+    return json.loads((await pipe.prepare(surface, request, context)).body)
 
 
 async def run(
@@ -300,11 +300,12 @@ async def test_with_rewrite_off_the_parts_stay_raw_with_their_uuid_pinned() -> N
     assert set(out["ec_transfer_params"]) == {uuid_of(1), uuid_of(2)}
 
 
-async def test_a_clients_ec_transfer_params_are_kept_beside_the_handles() -> None:
+async def test_a_clients_ec_transfer_params_never_reach_the_engine() -> None:
+    """Connectors steer transfers by them (issue 29, item 6): the engine gets the handles alone. Before:
+    the client's entries were merged beside them."""
     pipe, transport = pipeline(), encoders(E0, E1)
     out = await run(pipe, chat_body(image(1), ec_transfer_params={"client": {"x": 1}}), transport)
     assert out["ec_transfer_params"] == {
-        "client": {"x": 1},
         uuid_of(1): {"item_indices": [0], "metadata": {"image_grid_thw": DEFAULT_GRID}},
     }
 
@@ -381,12 +382,15 @@ async def test_under_the_error_policy_every_encoder_down_is_a_502_naming_one_the
         await run(pipe, chat_body(image(1)), transport)
     assert failed.value.status == 502
     assert failed.value.server in (E0, E1)
-    # Both are ejected now: the next request is refused without a call.
-    with pytest.raises(NoHealthyUpstream) as refused:
+    # One request costs at most one server a failure (issue 29): the second ejects the other ...
+    with pytest.raises(UpstreamUnavailable):
         await run(pipe, chat_body(image(2)), transport)
+    # ... and the next is refused without a call.
+    with pytest.raises(NoHealthyUpstream) as refused:
+        await run(pipe, chat_body(image(3)), transport)
     assert refused.value.status == 503
     assert refused.value.headers() == [(b"retry-after", b"7")]
-    assert len(transport.posts()) == 2
+    assert len(transport.posts()) == 3
 
 
 async def test_under_the_local_policy_items_no_encoder_could_encode_go_to_the_engine_as_sent() -> None:
@@ -394,15 +398,17 @@ async def test_under_the_local_policy_items_no_encoder_could_encode_go_to_the_en
     transport = FakeTransport({E0: vllm(answer_status(500)), E1: refuse()})
     body = chat_body(image(1), image(2))
     raw = [TEXT, {**image(1), "uuid": uuid_of(1)}, {**image(2), "uuid": uuid_of(2)}]
+    # One request costs at most one encoder a failure (issue 29): two requests eject both.
     first = await run(pipe, body, transport)
+    second = await run(pipe, body, transport)
     tried = len(transport.posts())
-    second = await run(pipe, body, transport)  # every encoder is ejected now: no call at all
+    third = await run(pipe, body, transport)  # every encoder is ejected now: no call at all
     assert len(transport.posts()) == tried
-    for out in (first, second):
+    for out in (first, second, third):
         assert out["messages"][0]["content"] == raw
         assert "ec_transfer_params" not in out
-    assert pipe.counters["fallback_items"] == 4
-    assert pipe.counters["fallback"] == 2
+    assert pipe.counters["fallback_items"] == 6
+    assert pipe.counters["fallback"] == 3
 
 
 async def test_under_the_local_policy_what_did_encode_is_kept_and_the_rest_left_raw_per_modality() -> None:

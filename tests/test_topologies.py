@@ -183,8 +183,10 @@ async def test_prefill_failures_name_the_prefill_server(mode: str, status: int, 
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == status
     error = response.json()["error"]
-    assert f"prefill {P0} failed" in error["message"]
+    # The role and the reason (vLLM's own words for a rejection); the server in the log only.
+    assert error["message"].startswith("a prefill server failed: ") or mode == "400"
     assert words in error["message"]
+    assert P0 not in error["message"]
     assert error["code"] == status
     assert engine.received == []
 
@@ -194,7 +196,7 @@ async def test_prefill_timeout_is_504() -> None:
     app, _ = build_app(encoders, engine, prefill, prefill_timeout=0.2, health_check_interval=0)
     response = await post(app, chat_body(image(png(1))))
     assert response.status_code == 504
-    assert f"prefill {P0} failed: no answer within 0.2 s" in response.json()["error"]["message"]
+    assert response.json()["error"]["message"] == "a prefill server failed: no answer within 0.2 s"
 
 
 async def test_local_prefill_fallback_decodes_without_kv_params() -> None:

@@ -347,7 +347,12 @@ def with_parts(
 
 
 def with_handles(fields: dict[str, Any], ec_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
-    """``fields`` with the handles merged over the client's own ``ec_transfer_params`` (in place)."""
+    """``fields`` with the middleware's handles as the engine's ``ec_transfer_params`` (in place), and
+    nothing of the client's own: connectors read them to steer transfers (Mooncake pushes to their
+    ``consumer_zmq`` and claims by their ``ec_items``, ECCPUConnector takes an entry per hash), and no
+    connector needs a client's to load an embedding the middleware confirmed."""
     if ec_transfer_params:
-        fields[p.EC_TRANSFER_PARAMS] = {**(fields.get(p.EC_TRANSFER_PARAMS) or {}), **ec_transfer_params}
+        fields[p.EC_TRANSFER_PARAMS] = dict(ec_transfer_params)
+    else:
+        fields.pop(p.EC_TRANSFER_PARAMS, None)
     return fields

@@ -216,7 +216,8 @@ def engine_fields(
 
     ``uuids[i]`` and ``metadata[i]`` belong to ``request.media[i]``: a part with metadata becomes a
     metadata-only reference, one without stays raw with its uuid pinned, so the local engine derives the
-    same hash as the encoder did. The handles are merged over the client's own ``ec_transfer_params``.
+    same hash as the encoder did. The handles are the engine's ``ec_transfer_params``, none of the
+    client's own.
     """
     fields = dict(request.fields)
     fields[p.MESSAGES] = with_parts(
