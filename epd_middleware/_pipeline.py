@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio.abc
 
-from ._checks import check_media_budget, check_media_policy, check_references
+from ._checks import check_client_uuids, check_media_budget, check_media_policy, check_references
 from ._compat import Expectation
 from ._context import RequestContext
 from ._discovery import Discovery
@@ -185,6 +185,8 @@ class Pipeline:
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
         check_references(surface, request, context.host, self.stats)
+        if config.trust_client_uuid and surface.pins_uuids:  # EncodeStage makes such a uuid the hash
+            check_client_uuids(surface, request)
         if context.host.media_policy is not None:
             await check_media_policy(surface, request, context.host.media_policy)
         budget = context.host.media_decode_budget

@@ -7,17 +7,82 @@ code before the fix. (Items 8 and 10 on the reuse key: ``tests/test_reuse.py``; 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
-from .test_hostile_clients import inside_vllm, post, recording_route
-from .test_middleware import E0, png
+from .test_hostile_clients import inside_vllm, post, recording_route, reference
+from .test_middleware import E0, OPTIONS, png
+from .test_reuse import app_with
 from .test_topologies import image_block, messages_body
 
 pytestmark = pytest.mark.anyio
+
+
+# --- item 4: a trusted client uuid is a plain file name or refused ------------------------------------
+
+NOT_FILE_NAMES = [
+    "../outside",  # the encoder wrote outside the storage
+    "victim/encoder_cache.safetensors",  # a directory where a reference to "victim" expects a file
+    "..",
+    ".",
+    "a\\b",
+    "nul\0byte",
+    "x" * 256,  # longer than a file name may be
+]
+
+
+@pytest.mark.parametrize("options", [{}, OPTIONS], ids=["plain", "with_options"])
+@pytest.mark.parametrize("uuid", NOT_FILE_NAMES)
+async def test_a_trusted_client_uuid_that_is_not_a_plain_file_name_is_refused(
+    tmp_path: Path, uuid: str, options: dict[str, Any]
+) -> None:
+    """issue 29 item 4: under ``trust_client_uuid`` the uuid is the item's hash, which ECExampleConnector
+    makes a directory of (``<storage>/<mm_hash>/encoder_cache.safetensors``). Before: it reached the
+    encoders, so ``../outside`` was written outside the storage and ``victim/encoder_cache.safetensors``
+    planted a directory where a later reference to ``victim`` expects the file. Refused now (400, naming
+    the part) before any encoder call, with or without options (with them vLLM derives a hex hash, but
+    such a uuid is refused all the same)."""
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, storage, trust_client_uuid=True)
+    response = await post(app, chat_body(image(png(1), uuid=uuid), **options))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert "messages[0].content[1]" in error["message"]
+    assert "uuid" in error["message"]
+    assert encoders.calls == []
+    assert engine.received == []
+    assert os.listdir(tmp_path) == ["storage"]  # nothing written beside the storage
+    assert os.listdir(storage) == []
+
+
+async def test_an_untrusted_client_uuid_is_not_judged_as_a_file_name(tmp_path: Path) -> None:
+    """issue 29 item 4: without ``trust_client_uuid`` the content decides the hash, so the client's uuid
+    names no file and is not refused."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, tmp_path)
+    response = await post(app, chat_body(image(png(1), uuid="../outside")))
+    assert response.status_code == 200
+    assert len(encoders.calls) == 1
+
+
+async def test_a_directory_where_the_embedding_file_belongs_is_no_embedding(tmp_path: Path) -> None:
+    """issue 29 item 4: vLLM loads ``<storage>/<hash>/encoder_cache.safetensors`` as a file; the check
+    took any path that exists, so a directory planted there (as the uuid above once did) let a client's
+    reference to ``victim`` through to the engine, which cannot load it."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, tmp_path)
+    (tmp_path / "victim" / "encoder_cache.safetensors").mkdir(parents=True)
+    response = await post(app, chat_body(reference("victim"), ec_transfer_params={"victim": {}}))
+    assert response.status_code == 400
+    assert "victim" in response.json()["error"]["message"]
+    assert engine.received == []
 
 
 # --- item 5: a long string with a raw control character -------------------------------------------
