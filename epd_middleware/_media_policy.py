@@ -55,8 +55,12 @@ class MediaPolicy:
             if self.local_root is None:
                 return "Cannot load local files without `--allowed-local-media-path`."
             path = Path(url2pathname((spec.netloc or "") + (spec.path or "")))
-            # resolve() follows symlinks on the file system (a shared one may be slow): off the loop.
-            resolved = await anyio.to_thread.run_sync(path.resolve)
+            try:
+                # resolve() follows symlinks on the file system (a shared one may be slow): off the loop.
+                resolved = await anyio.to_thread.run_sync(path.resolve)
+            except ValueError as exc:
+                # "embedded null byte" (%00 in the URL): vLLM's own resolve() raises it, answered 400.
+                return str(exc)
             if self.local_root not in resolved.parents:
                 # vLLM names the directory and then masks it (sanitize_message): it is not named here.
                 return f"The file path {path} must be a subpath of `--allowed-local-media-path`."

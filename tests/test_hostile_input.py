@@ -164,3 +164,27 @@ async def test_any_long_string_with_a_raw_control_character_leaves_the_body_to_v
         assert response.status_code != 500
         assert encoders.calls == []
         assert [record.body for record in engine.received] == [raw]
+
+
+# --- item 11: a file URL the file system cannot name -----------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+async def test_a_file_url_with_an_encoded_nul_is_refused_as_vllm_refuses_it(
+    tmp_path: Path, path: str
+) -> None:
+    """issue 29 item 11: ``%00`` decodes to NUL, and resolving such a path raises ValueError
+    ("embedded null byte"): before, an unhandled 500. vLLM's own check (``_load_file_url``) raises the
+    same ValueError, which it answers 400 with its text."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, local=str(tmp_path))
+    url = f"file://{tmp_path}/cat%00.png"
+    if path == "/v1/messages":
+        body = messages_body({"type": "image", "source": {"type": "url", "url": url}})
+    else:
+        body = chat_body({"type": "image_url", "image_url": {"url": url}})
+    response = await post(app, body, path)
+    assert response.status_code == 400
+    assert "embedded null byte" in response.text
+    assert encoders.calls == []
+    assert engine.received == []
