@@ -1,18 +1,33 @@
-"""What is refused before any encoder or prefill call: metadata-only parts a client wrote that name an
-embedding this server cannot confirm it has, client uuids trusted as hashes that are no file name, and
-media this server's own policy would not load."""
+"""What is refused before any encoder or prefill call: a cache salt vLLM refuses, metadata-only parts a
+client wrote that name an embedding this server cannot confirm it has, client uuids trusted as hashes
+that are no file name, and media this server's own policy would not load."""
 
 from __future__ import annotations
 
 from ._media_budget import known_decoded_bytes
 from ._media_policy import MediaPolicy
 from ._metrics import Stats
-from ._protocol import embedding_stored, plain_file_name
+from ._protocol import CACHE_SALT, cache_salt_refusal, embedding_stored, plain_file_name
+from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface
 from .errors import MediaBudgetExceeded, MediaRefused, RefusedField, UnresolvableReference
 from .host import Host
 
-__all__ = ["check_client_uuids", "check_media_budget", "check_media_policy", "check_references"]
+__all__ = [
+    "check_cache_salt",
+    "check_client_uuids",
+    "check_media_budget",
+    "check_media_policy",
+    "check_references",
+]
+
+
+def check_cache_salt(request: ParsedRequest) -> None:
+    """A ``cache_salt`` vLLM refuses is refused with vLLM's words before the encoders are called for it
+    (and before the reuse cache could key anything by it)."""
+    refusal = cache_salt_refusal(text_of(request.fields.get(CACHE_SALT)))
+    if refusal is not None:
+        raise RefusedField(refusal, param=CACHE_SALT)
 
 
 def check_references(surface: Surface, request: ParsedRequest, host: Host, stats: Stats) -> None:

@@ -22,7 +22,13 @@ from typing import Any
 
 import anyio.abc
 
-from ._checks import check_client_uuids, check_media_budget, check_media_policy, check_references
+from ._checks import (
+    check_cache_salt,
+    check_client_uuids,
+    check_media_budget,
+    check_media_policy,
+    check_references,
+)
 from ._compat import Expectation
 from ._context import RequestContext
 from ._discovery import Discovery
@@ -181,6 +187,7 @@ class Pipeline:
         body that cannot be written again).
         """
         config = self.config
+        check_cache_salt(request)
         parts = len(request.media) + len(request.references)
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)

@@ -153,6 +153,28 @@ def foreign_answer_id(path: str, request_id: str, reply: dict[str, Any]) -> str 
     return None if answer_id[len(prefix) :] == request_id else answer_id
 
 
+# vLLM refuses a cache_salt that is not a non-empty string of at most 128 characters without these
+# (``entrypoints/generate/base/protocol.py`` ``validate_cache_salt``, run by the chat and Responses
+# request models; batch and Messages requests become chat requests that run it too).
+CACHE_SALT_MAX_LENGTH: Final = 128
+_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\0")
+
+
+def cache_salt_refusal(salt: object) -> str | None:
+    """vLLM's message refusing ``salt`` as a request's ``cache_salt``; None where vLLM takes it (None is
+    the field absent)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        return "Parameter 'cache_salt' must be a non-empty string if provided."
+    if len(salt) > CACHE_SALT_MAX_LENGTH or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        return (
+            f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_LENGTH} characters and must "
+            "not contain '@', '/', '\\\\', or NUL."
+        )
+    return None
+
+
 # ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>
 # (``distributed/ec_transfer/ec_connector/example_connector.py``: ``os.path.join`` of the hash as given).
 EXAMPLE_CONNECTOR_FILE: Final = "encoder_cache.safetensors"

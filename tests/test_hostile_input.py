@@ -166,6 +166,75 @@ async def test_any_long_string_with_a_raw_control_character_leaves_the_body_to_v
         assert [record.body for record in engine.received] == [raw]
 
 
+# --- item 8: a cache salt vLLM refuses ------------------------------------------------------------
+
+SALT_TOO_LONG = (
+    "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+)
+SALT_NOT_A_STRING = "Parameter 'cache_salt' must be a non-empty string if provided."
+
+
+@pytest.mark.parametrize(
+    ("salt", "message"),
+    [
+        ("s" * 129, SALT_TOO_LONG),
+        ("s" * (1 << 20), SALT_TOO_LONG),  # 1 MiB: the reuse cache kept it in every key
+        ("tenant/a", SALT_TOO_LONG),
+        ("a@b", SALT_TOO_LONG),
+        ("a\\b", SALT_TOO_LONG),
+        ("a\0b", SALT_TOO_LONG),
+        ("", SALT_NOT_A_STRING),
+        (7, SALT_NOT_A_STRING),
+    ],
+)
+async def test_a_cache_salt_vllm_refuses_is_refused_before_any_encoder_call(
+    tmp_path: Path, salt: Any, message: str
+) -> None:
+    """issue 29 item 8: vLLM refuses a ``cache_salt`` that is not a non-empty string of at most 128
+    characters without ``@``, ``/``, ``\\`` or NUL (``validate_cache_salt``). Before: the encoders were
+    called for it first, and the reuse cache kept the salt in every key. Refused now with vLLM's status
+    and words, naming ``cache_salt``."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, tmp_path)
+    response = await post(app, chat_body(image(png(1)), image(png(2)), cache_salt=salt))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"] == message
+    assert error["param"] == "cache_salt"
+    assert encoders.calls == []
+    assert engine.received == []
+    assert len(app.pipeline.reuse) == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions/batch", "/v1/messages"])
+async def test_a_cache_salt_vllm_refuses_is_refused_on_every_surface(path: str) -> None:
+    """issue 29 item 8: Responses checks the salt as chat does; batch and Messages requests become chat
+    requests that check it."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine)
+    app.router.routes.append(recording_route(engine, "/v1/chat/completions/batch"))
+    fields = {"cache_salt": "s" * 129}
+    body = (
+        messages_body(image_block(png(1)), **fields)
+        if path == "/v1/messages"
+        else {"/v1/responses": _responses, "/v1/chat/completions/batch": _batch}[path](fields)
+    )
+    response = await post(app, body, path)
+    assert response.status_code == 400
+    assert "cache_salt" in response.text
+    assert encoders.calls == []
+    assert engine.received == []
+
+
+async def test_a_salt_vllm_takes_still_salts(tmp_path: Path) -> None:
+    """issue 29 item 8: a salt of 128 characters is vLLM's limit, not past it."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, tmp_path)
+    response = await post(app, chat_body(image(png(1)), cache_salt="s" * 128))
+    assert response.status_code == 200
+    assert len(encoders.calls) == 1
+
+
 # --- item 11: a file URL the file system cannot name -----------------------------------------------
 
 
