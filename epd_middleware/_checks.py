@@ -1,17 +1,34 @@
-"""What is refused before any encoder or prefill call: metadata-only parts a client wrote that name an
-embedding this server cannot confirm it has, and media this server's own policy would not load."""
+"""What is refused before any encoder or prefill call: a cache salt vLLM refuses, metadata-only parts a
+client wrote that name an embedding this server cannot confirm it has, client uuids trusted as hashes
+that are no file name, and media this server's own policy would not load."""
 
 from __future__ import annotations
 
 from ._media_budget import known_decoded_bytes
 from ._media_policy import MediaPolicy
 from ._metrics import Stats
-from ._protocol import embedding_stored
+from ._protocol import CACHE_SALT, cache_salt_refusal, embedding_stored, plain_file_name
+from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface
-from .errors import MediaBudgetExceeded, MediaRefused, UnresolvableReference
+from .errors import MediaBudgetExceeded, MediaRefused, RefusedField, UnresolvableReference
 from .host import Host
 
-__all__ = ["check_media_budget", "check_media_policy", "check_references", "check_references_again"]
+__all__ = [
+    "check_cache_salt",
+    "check_client_uuids",
+    "check_media_budget",
+    "check_media_policy",
+    "check_references",
+    "check_references_again",
+]
+
+
+def check_cache_salt(request: ParsedRequest) -> None:
+    """A ``cache_salt`` vLLM refuses is refused with vLLM's words before the encoders are called for it
+    (and before the reuse cache could key anything by it)."""
+    refusal = cache_salt_refusal(text_of(request.fields.get(CACHE_SALT)))
+    if refusal is not None:
+        raise RefusedField(refusal, param=CACHE_SALT)
 
 
 def check_references(
@@ -65,6 +82,22 @@ def check_references_again(
             raise UnresolvableReference(
                 f"{where} refers to embedding {identifier[:80]!r}, which this server no longer has (it "
                 "was removed while the request was being prepared)",
+                param=surface.field,
+            )
+
+
+def check_client_uuids(surface: Surface, request: ParsedRequest) -> None:
+    """Under ``trust_client_uuid`` a client's uuid is the item's hash, which a connector that stores by
+    hash makes a path of (ECExampleConnector: ``<storage>/<hash>/encoder_cache.safetensors``, written by
+    the encoder, read by the engine): one that is not a plain file name is refused. With per-request
+    options vLLM derives a hex hash instead, but such a uuid is refused all the same."""
+    for media in request.media:
+        uuid = media.client_uuid
+        if uuid is not None and not plain_file_name(uuid):
+            raise RefusedField(
+                f"the uuid of the {media.modality} part at {surface.where(media.location)} is not a plain "
+                "file name (1 to 255 bytes, no '/', '\\' or NUL, not '.' or '..'): it would name a path "
+                "in the embedding storage",
                 param=surface.field,
             )
 

@@ -8,7 +8,8 @@ single instance refuses. The PD never decodes the media itself (it gets metadata
 the middleware sums what it can know before any call: the size an image's own header gives, for images
 sent inline (base64 data URLs in PNG, JPEG, GIF, WebP or BMP). Remote URLs, video and audio only add to
 what vLLM would charge, so a request whose known images alone pass the budget is surely refused by a
-single instance too, and is refused here with vLLM's status (400) and words.
+single instance too, and is refused here with vLLM's status (400) and words. Data URLs are read as vLLM
+reads them (``MediaConnector.load_from_url``, ``_load_data_url``): every image vLLM would decode counts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from ._surfaces import MediaPart
 __all__ = ["decoded_image_bytes", "known_decoded_bytes"]
 
 _DATA = b"data:"
-_BASE64 = b";base64,"
+# vLLM decodes what follows the first comma when the media type before it ends in ";base64" (its text
+# after the last ";" is "base64", as written).
+_BASE64 = b";base64"
 # Base64 characters decoded at most to find a JPEG's frame header (after its EXIF and other segments),
 # and segments walked at most: real files have a handful before it. Bounded, because this runs on the
 # event loop: a crafted file of thousands of empty segments costs one walk of _MAX_SEGMENTS, and an image
@@ -48,14 +51,9 @@ def known_decoded_bytes(media: Sequence[MediaPart]) -> int:
 
 def decoded_image_bytes(url: str | Raw) -> int | None:
     """``width * height * 4`` of an inline image whose header says its size; None when not known."""
-    limit = _PREFIXES[-1] + 256  # the data URL's head: never the whole media
-    text = bytes(raw_text(url)[:limit]) if isinstance(url, Raw) else url[:limit].encode()
-    if not text.startswith(_DATA):
+    payload = _base64_payload(url)
+    if payload is None:
         return None
-    marker = text.find(_BASE64, 0, 256)
-    if marker < 0:
-        return None
-    payload = text[marker + len(_BASE64) :]
     for size in _PREFIXES:
         head = _decoded_prefix(payload, size)
         if head is None:
@@ -68,6 +66,32 @@ def decoded_image_bytes(url: str | Raw) -> int | None:
         width, height = found
         return width * height * 4
     return None
+
+
+def _base64_payload(url: str | Raw) -> bytes | None:
+    """The start of the base64 vLLM decodes from a data URL (at most the longest prefix ever decoded
+    here), whatever case its scheme is in, whatever its media type says or holds; None for a URL vLLM
+    does not decode as base64 data."""
+    end = _PREFIXES[-1]
+    if isinstance(url, Raw):
+        text = raw_text(url)
+        head = bytes(text[: 256 + end])
+        if head[: len(_DATA)].lower() != _DATA:
+            return None
+        comma = head.find(b",", len(_DATA))
+        if comma < 0 and len(text) > len(head):
+            # A media type longer than a real one ever is: looked for in a copy of the whole URL.
+            comma = bytes(text).find(b",", len(head))
+        start = comma - len(_BASE64)
+        if start < len(_DATA) or text[start:comma] != _BASE64:
+            return None
+        return bytes(text[comma + 1 : comma + 1 + end])
+    if url[: len(_DATA)].lower() != "data:":
+        return None
+    comma = url.find(",", len(_DATA))
+    if comma - len(_BASE64) < len(_DATA) or not url.endswith(";base64", len(_DATA), comma):
+        return None
+    return url[comma + 1 : comma + 1 + end].encode("utf-8", "surrogatepass")
 
 
 def _decoded_prefix(payload: bytes, size: int) -> bytes | None:

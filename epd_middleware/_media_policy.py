@@ -16,7 +16,6 @@ from pathlib import Path
 from urllib.request import url2pathname
 
 import anyio.to_thread
-import msgspec
 
 from ._rawjson import Raw, raw_text, text_of
 
@@ -36,11 +35,7 @@ class MediaPolicy:
         if isinstance(url, Raw):
             if bytes(raw_text(url)[:5]).lower() == b"data:":
                 return None  # a long data URL stays undecoded
-            try:
-                url = str(text_of(url))
-            except (msgspec.DecodeError, ValueError):  # a raw control character: vLLM cannot read the body
-                # (DecodeError is a ValueError only from msgspec 0.21 on)
-                return "The URL is not a valid JSON string."
+            url = str(text_of(url))
         if url[:5].lower() == "data:":
             return None
         from urllib3.util import parse_url  # vLLM's parser; imported where a policy applies
@@ -60,8 +55,12 @@ class MediaPolicy:
             if self.local_root is None:
                 return "Cannot load local files without `--allowed-local-media-path`."
             path = Path(url2pathname((spec.netloc or "") + (spec.path or "")))
-            # resolve() follows symlinks on the file system (a shared one may be slow): off the loop.
-            resolved = await anyio.to_thread.run_sync(path.resolve)
+            try:
+                # resolve() follows symlinks on the file system (a shared one may be slow): off the loop.
+                resolved = await anyio.to_thread.run_sync(path.resolve)
+            except ValueError as exc:
+                # "embedded null byte" (%00 in the URL): vLLM's own resolve() raises it, answered 400.
+                return str(exc)
             if self.local_root not in resolved.parents:
                 # vLLM names the directory and then masks it (sanitize_message): it is not named here.
                 return f"The file path {path} must be a subpath of `--allowed-local-media-path`."

@@ -23,7 +23,14 @@ from typing import Any, NamedTuple
 import anyio.abc
 
 from ._blame import Ledger
-from ._checks import check_media_budget, check_media_policy, check_references, check_references_again
+from ._checks import (
+    check_cache_salt,
+    check_client_uuids,
+    check_media_budget,
+    check_media_policy,
+    check_references,
+    check_references_again,
+)
 from ._compat import Expectation
 from ._context import RequestContext
 from ._discovery import Discovery
@@ -201,10 +208,13 @@ class Pipeline:
         body that cannot be written again).
         """
         config = self.config
+        check_cache_salt(request)
         parts = len(request.media) + len(request.references)
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
         references = check_references(surface, request, context.host, self.stats)
+        if config.trust_client_uuid and surface.pins_uuids:  # EncodeStage makes such a uuid the hash
+            check_client_uuids(surface, request)
         if context.host.media_policy is not None:
             await check_media_policy(surface, request, context.host.media_policy)
         budget = context.host.media_decode_budget

@@ -153,20 +153,58 @@ def foreign_answer_id(path: str, request_id: str, reply: dict[str, Any]) -> str 
     return None if answer_id[len(prefix) :] == request_id else answer_id
 
 
-# ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>.
+# vLLM refuses a cache_salt that is not a non-empty string of at most 128 characters without these
+# (``entrypoints/generate/base/protocol.py`` ``validate_cache_salt``, run by the chat and Responses
+# request models; batch and Messages requests become chat requests that run it too).
+CACHE_SALT_MAX_LENGTH: Final = 128
+_CACHE_SALT_FORBIDDEN: Final = frozenset("@/\\\0")
+
+
+def cache_salt_refusal(salt: object) -> str | None:
+    """vLLM's message refusing ``salt`` as a request's ``cache_salt``; None where vLLM takes it (None is
+    the field absent)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        return "Parameter 'cache_salt' must be a non-empty string if provided."
+    if len(salt) > CACHE_SALT_MAX_LENGTH or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        return (
+            f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_LENGTH} characters and must "
+            "not contain '@', '/', '\\\\', or NUL."
+        )
+    return None
+
+
+# ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>
+# (``distributed/ec_transfer/ec_connector/example_connector.py``: ``os.path.join`` of the hash as given).
 EXAMPLE_CONNECTOR_FILE: Final = "encoder_cache.safetensors"
+# The longest name of one directory entry, in bytes (Linux's NAME_MAX).
+_NAME_MAX = 255
+
+
+def plain_file_name(name: str) -> bool:
+    """Whether ``name`` names one entry of a directory and nothing else: not empty, not ``.`` or ``..``,
+    no ``/``, ``\\`` or NUL, at most 255 bytes of UTF-8. A hash that is not one would make a connector
+    that stores by hash write or read elsewhere (``../x``), or nest a directory where a file belongs
+    (``x/encoder_cache.safetensors``)."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return False
+    try:
+        return len(name.encode()) <= _NAME_MAX
+    except UnicodeEncodeError:  # a lone surrogate (a body read by Python's json) names no file
+        return False
 
 
 def example_connector_file(storage: str, mm_hash: str) -> str | None:
     """Where ECExampleConnector keeps the embedding of ``mm_hash`` under ``storage``; None when the hash
     is not a plain file name (it would point elsewhere)."""
-    if not mm_hash or "/" in mm_hash or "\\" in mm_hash or mm_hash in (".", "..") or "\0" in mm_hash:
+    if not plain_file_name(mm_hash):
         return None
     return os.path.join(storage, mm_hash, EXAMPLE_CONNECTOR_FILE)
 
 
 def embedding_stored(storage: str, mm_hash: str) -> bool:
-    """The embedding of ``mm_hash`` is where the local ECExampleConnector will look: a ``stat`` on the
-    connector's (local or shared) file system."""
+    """The embedding of ``mm_hash`` is where the local ECExampleConnector will load it from: a file (a
+    directory of that name is not one), by a ``stat`` on the connector's (local or shared) file system."""
     path = example_connector_file(storage, mm_hash)
-    return path is not None and os.path.exists(path)
+    return path is not None and os.path.isfile(path)

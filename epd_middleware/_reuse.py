@@ -3,8 +3,9 @@
 Multi-turn chats resend every image of the conversation on every turn. What an encoder reported for an
 item (its hash, metadata and connector entry) is kept in a bounded LRU cache under everything that can
 change the embedding: the item's modality and uuid (the content uuid, salted by ``cache_salt``, or a
-trusted client uuid), and the request's ``model``, ``mm_processor_kwargs``, ``media_io_kwargs`` and
-``cache_salt``, in canonical form (key order does not matter). Before the encoder calls are planned,
+trusted client uuid), and a digest of the request's ``model``, ``mm_processor_kwargs``,
+``media_io_kwargs`` and ``cache_salt`` in the order the client wrote them (vLLM's hasher serialises
+options in that order: two orderings are two hashes, never one key). Before the encoder calls are planned,
 each item whose key is cached *and* whose embedding is confirmed present in the connector's storage is
 taken from the cache; the engine request is built from reused and fresh handles exactly as if all had
 been encoded in this request.
@@ -23,25 +24,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from blake3 import blake3
 
 from ._handles import Handle, ItemKey
 from ._protocol import CACHE_SALT, MODEL, embedding_stored
 
 __all__ = ["HandleCache", "ReuseKey", "request_key", "reuse_blocker"]
 
-# (modality, uuid, the request's canonical embedding-relevant fields)
+# (modality, uuid, digest of the request's embedding-relevant fields)
 ReuseKey = tuple[str, str, bytes]
 
 _EMBEDDING_FIELDS = (MODEL, "mm_processor_kwargs", "media_io_kwargs", CACHE_SALT)
-_canonical = msgspec.json.Encoder(order="sorted").encode
+# Keys in the order written: vLLM's MultiModalHasher sorts only its top-level keywords and serialises
+# what is inside them (the options' own keys, at every depth) in insertion order.
+_encode = msgspec.json.Encoder().encode
 
 
 def request_key(fields: Mapping[str, Any], *, pins_uuids: bool) -> bytes:
     """The part of every item's key that comes from the request: whether the surface pins the uuid (the
     engine then identifies the item by it; otherwise by the decoded media, so an encoder reports another
-    hash for the same media), and canonical JSON of the fields that can change an embedding (absent and
-    null are the same)."""
-    return _canonical([pins_uuids, *(fields.get(name) for name in _EMBEDDING_FIELDS)])
+    hash for the same media), and the fields that can change an embedding (absent and null are the same),
+    as JSON in the client's order, which tells apart every value vLLM's hasher does (a string from a
+    number, 1 from 1.0 and from true, one key order from another). Kept as a 32-byte BLAKE3 digest: the
+    cache holds thousands of keys, and the fields are the client's to make large."""
+    return blake3(_encode([pins_uuids, *(fields.get(name) for name in _EMBEDDING_FIELDS)])).digest()
 
 
 def reuse_blocker(enabled: bool, storage: str | None, *, pushed: bool) -> str | None:

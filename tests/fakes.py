@@ -53,7 +53,8 @@ def derived_hash(model: str, uuid: str, modality: str, body: Mapping[str, Any]) 
         factors["mm_processor_kwargs"] = body["mm_processor_kwargs"]
     if not factors:
         return uuid
-    text = json.dumps({"model_id": model, modality: uuid, **factors}, sort_keys=True)
+    # vLLM's hasher sorts its keywords, and serialises the values inside them in the order written.
+    text = json.dumps(sorted({"model_id": model, modality: uuid, **factors}.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 

@@ -133,3 +133,74 @@ def test_a_crafted_jpeg_costs_a_bounded_walk_and_counts_nothing(monkeypatch: pyt
     assert max(decoded) <= 262144
     many = b"\xff\xd8" + b"\xff\xe0\x00\x02" * 70 + jpeg(10, 10)[2:]  # a frame header after 70 segments
     assert decoded_image_bytes(data_url(many)) is None  # past the walk: not counted, never refused
+
+
+# --- issue 29 item 9: data URLs as vLLM reads them ---------------------------------------------------
+
+LONG_PARAMETERS = "image/png;" + "name=value;" * 40  # past the 256 characters once searched
+# How vLLM reads a data URL (``MediaConnector.load_from_url`` and ``_load_data_url``): the scheme in any
+# case; the media type up to the first comma, whose text after its last ";" must be "base64" exactly;
+# the rest is the base64 it decodes, whatever the media type says.
+SPELLINGS = {
+    "upper-case scheme": lambda data: f"DATA:image/png;base64,{data}",
+    "mixed-case scheme": lambda data: f"Data:image/png;base64,{data}",
+    "long media-type parameters": lambda data: f"data:{LONG_PARAMETERS};base64,{data}",
+    "very long media-type parameters": lambda data: f"data:image/png;p={'v' * 300_000};base64,{data}",
+    "another media type": lambda data: f"data:text/plain;base64,{data}",
+    "no media type": lambda data: f"data:;base64,{data}",
+    "base64 twice": lambda data: f"data:image/png;base64;base64,{data}",
+}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_every_data_url_vllm_decodes_is_counted(spelling: str) -> None:
+    """issue 29 item 9: only ``data:`` in lower case, with ``;base64,`` in its first 256 characters, was
+    read; vLLM decodes every spelling here."""
+    url = SPELLINGS[spelling](base64.b64encode(png_rgba(40, 30)).decode())
+    assert decoded_image_bytes(url) == 40 * 30 * 4
+    assert decoded_image_bytes(msgspec.Raw(json.dumps(url).encode())) == 40 * 30 * 4
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "data:image/png;BASE64,{data}",  # the encoding is compared as written
+        "data:image/png;x=a,b;base64,{data}",  # the media type ends at the first comma
+        "data:image/png,{data}",
+        "data:base64,{data}",  # no ";" before it
+    ],
+)
+def test_a_data_url_vllm_refuses_is_not_counted(url: str) -> None:
+    """issue 29 item 9: what vLLM refuses to decode (it answers the request with an error of its own)
+    adds nothing to the budget."""
+    assert decoded_image_bytes(url.format(data=base64.b64encode(png_rgba(40, 30)).decode())) is None
+
+
+@pytest.mark.parametrize("spelling", ["upper-case scheme", "long media-type parameters"])
+async def test_a_request_over_the_budget_is_refused_however_its_data_urls_are_spelled(spelling: str) -> None:
+    """issue 29 item 9: three images over the budget, spelled ``DATA:`` or with long media-type
+    parameters, went out as three encoder calls and a 200."""
+    encoders, engine = FakeEncoders(["http://enc-0:8001", "http://enc-1:8001"]), FakeEngine()
+    app, _ = build_app(encoders, engine, host=Host(media_decode_budget=5_000_000), max_batch_size=1)
+    part = {"type": "image_url", "image_url": {"url": SPELLINGS[spelling](PNG_800x600)}}
+    response = await post(app, chat_body(part, part, part))
+    assert response.status_code == 400
+    assert "5760000 bytes" in response.json()["error"]["message"]
+    assert encoders.calls == []
+
+
+@pytest.mark.parametrize("source", ["upper-case url", "long media type"])
+async def test_messages_over_the_budget_are_refused_however_their_images_are_spelled(source: str) -> None:
+    """issue 29 item 9, on Messages: a ``url`` source spelled ``DATA:``, or a base64 source whose
+    ``media_type`` carries long parameters (vLLM builds ``data:<media_type>;base64,<data>`` of it)."""
+    encoders, engine = FakeEncoders(["http://enc-0:8001"]), FakeEngine()
+    app, _ = build_app(encoders, engine, host=Host(media_decode_budget=5_000_000))
+    block: dict[str, Any] = (
+        {"type": "image", "source": {"type": "url", "url": SPELLINGS["upper-case scheme"](PNG_800x600)}}
+        if source == "upper-case url"
+        else image_block(PNG_800x600, media_type=LONG_PARAMETERS)
+    )
+    response = await post(app, messages_body(block, block, block), path="/v1/messages")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert encoders.calls == []

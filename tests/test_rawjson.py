@@ -80,6 +80,20 @@ def test_invalid_bodies_stay_invalid(body: bytes) -> None:
         _rawjson.decode(body)
 
 
+@pytest.mark.parametrize("control", [b"\x00", b"\x01", b"\n", b"\t", b"\x1f"])
+def test_a_long_string_with_a_raw_control_character_is_refused_as_a_plain_decode_refuses_it(
+    control: bytes,
+) -> None:
+    """issue 29 item 5: a long string stayed raw unchecked, so a body that is not JSON (vLLM's parser
+    refuses it as a whole) decoded, and reading that string as text raised later, anywhere (an
+    unhandled 500). It is refused here, as by a plain decode."""
+    body = b'{"pad": "' + b"p" * _rawjson._MIN_BODY + b'", "s": "' + b"x" * 3000 + control + b'x"}'
+    with pytest.raises(msgspec.DecodeError):
+        msgspec.json.decode(body)
+    with pytest.raises(msgspec.DecodeError):
+        _rawjson.decode(body)
+
+
 def test_a_client_cannot_forge_a_placeholder() -> None:
     forged = "\x00epd-raw-0000000000000000-0"
     body = json.dumps({"a": forged, "b": "x" * 20000}).encode()

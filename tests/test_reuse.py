@@ -13,8 +13,9 @@ import pytest
 from epd_middleware import EPDMiddleware
 from epd_middleware import _selection as selection
 from epd_middleware._plan import MediaItem, content_uuid, plan_calls
+from epd_middleware._reuse import request_key
 
-from .fakes import FakeEncoders, FakeEngine, chat_body, image, upstream_client
+from .fakes import MODEL, FakeEncoders, FakeEngine, chat_body, derived_hash, image, upstream_client
 from .test_middleware import OPTIONS, png, post
 
 pytestmark = pytest.mark.anyio
@@ -127,14 +128,35 @@ async def test_anything_that_changes_the_embedding_is_in_the_key(
     assert items_sent(encoders) == 2  # now that one is cached too
 
 
-async def test_option_key_order_does_not_matter(tmp_path: Path) -> None:
+async def test_options_in_another_order_are_another_key(tmp_path: Path) -> None:
+    """issue 29 item 10: vLLM's hasher sorts only its top-level keywords and serialises the options in
+    the order they were written (``MultiModalHasher``), so reordered ``mm_processor_kwargs`` give the
+    item another hash. The key sorted them: outside vLLM (where the identifier is not derived here) the
+    second request was handed the first one's handle, under a hash the engine never derives."""
     encoders, engine = FakeEncoders(E[:1]), FakeEngine()
     app = app_with(encoders, engine, tmp_path)
     options = {"mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 50176}}}
     reordered = {"mm_processor_kwargs": {"size": {"longest_edge": 50176, "shortest_edge": 3136}}}
     await post(app, chat_body(image(png(1)), **options))
-    await post(app, chat_body(image(png(1)), **reordered))
-    assert items_sent(encoders) == 1
+    await post(app, chat_body(image(png(1)), **options))
+    assert items_sent(encoders) == 1  # the same order: reused
+    body = chat_body(image(png(1)), **reordered)
+    await post(app, body)
+    assert items_sent(encoders) == 2
+    uuid = content_uuid("image", (body["messages"][0]["content"][1]["image_url"]["url"],))
+    assert list(engine.received[-1].json["ec_transfer_params"]) == [derived_hash(MODEL, uuid, "image", body)]
+
+
+async def test_the_key_holds_a_digest_of_the_request_not_its_fields() -> None:
+    """issue 29 item 8: the options went into every key as JSON, so a client's large options were kept
+    once per cached item (12 requests with 1 MiB salts held 18 MiB, and the cache holds up to 4096
+    entries). The key now holds a fixed-size digest of them."""
+    small = request_key({"model": "m"}, pins_uuids=True)
+    large = request_key({"model": "m", "mm_processor_kwargs": {"x": "y" * (1 << 20)}}, pins_uuids=True)
+    assert len(small) == len(large) == 32
+    assert small != large
+    assert request_key({"model": "m", "cache_salt": None}, pins_uuids=True) == small  # absent is null
+    assert request_key({"model": "m"}, pins_uuids=False) != small
 
 
 async def test_a_trusted_client_uuid_is_a_key_only_with_its_options(tmp_path: Path) -> None:
