@@ -12,9 +12,9 @@ when any is not, 2 when the configuration itself is wrong (every mistake named, 
 contradicting timeouts) are printed and do not change the exit status.
 
 ``--pd URL`` also reads the running PD server's status page (``status_path``, with the first of
-``EPD_API_KEYS`` where keys are set): what the middleware inside it knows about vLLM there (the model
-runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as warnings; a status
-page that cannot be read is a problem.
+``EPD_API_KEYS``, else ``VLLM_API_KEY``, where keys are set): what the middleware inside it knows about
+vLLM there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as
+warnings; a status page that cannot be read is a problem.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from ._http import HTTPClient, HTTPError
 from ._metrics import Stats
 from ._pool import PoolPolicy, ServerPool
 from .config import ConfigurationError, EPDConfig, unknown_variables
+from .host import vllm_api_keys
 from .transport import Transport
 
 __all__ = ["ServerReport", "check_fleet", "main"]
@@ -185,7 +186,8 @@ async def pd_status(
     config: EPDConfig, client: Transport, url: str
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The PD's status page as the middleware inside it writes it, or why it could not be read."""
-    headers = {"authorization": f"Bearer {config.api_keys[0]}"} if config.api_keys else {}
+    keys = (*config.api_keys, *vllm_api_keys())
+    headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
     limit = config.health_check_timeout
     try:
         with anyio.fail_after(limit):

@@ -345,7 +345,8 @@ class EPDConfig(BaseModel):
         repr=False,
         description=(
             "Bearer tokens accepted on intercepted requests (checked before any encoder work) and on the "
-            "status endpoint. From the environment: EPD_API_KEYS, else VLLM_API_KEY. Empty: no check."
+            "status endpoint besides vLLM's own keys (--api-key, else VLLM_API_KEY), which are always "
+            "checked. Empty (and empty strings): no extra keys; with no key at all, no check."
         ),
     )
     authenticate: bool = Field(
@@ -425,6 +426,13 @@ class EPDConfig(BaseModel):
         if len(set(cleaned)) != len(cleaned):
             raise ValueError(f"{role} URLs are repeated: {list(urls)}")
         return tuple(cleaned)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _drop_empty_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        # An empty key would open the door to "Bearer " with nothing after it, and no header can carry
+        # a key of spaces alone: neither is a key, as EPD_API_KEYS reads them.
+        return tuple(key for key in keys if key.strip())
 
     @field_validator("ec_consumer_zmq")
     @classmethod
@@ -539,9 +547,6 @@ class EPDConfig(BaseModel):
                 values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
             else:
                 values[name] = raw.strip()
-        if "api_keys" not in values and env.get("VLLM_API_KEY"):
-            # The key vLLM itself checks: with --middleware the middleware runs outside that check.
-            values["api_keys"] = (env["VLLM_API_KEY"],)
         unknown = unknown_variables(env)
         try:
             config = cls(**values)
