@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 
 from . import __version__
+from ._addresses import masked
 from ._compat import Expectation, check_models
 from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
@@ -218,14 +219,15 @@ async def _run(
         reports, problems = await check_fleet(config, client, expected)
         pd = None
         if args.pd:
+            shown = masked(args.pd)  # the command line's URL may carry a password
             page, error = await pd_status(config, client, args.pd)
             if error is not None:
-                problems.append(f"pd {args.pd}: status page: {error}")
+                problems.append(f"pd {shown}: status page: {error}")
             else:
                 assert page is not None
                 known = page.get("known_problems")
                 pd = {
-                    "url": args.pd,
+                    "url": shown,
                     "model_runner": page.get("model_runner"),
                     "known_problems": [str(line) for line in known] if isinstance(known, list) else [],
                 }

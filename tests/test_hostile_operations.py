@@ -5,6 +5,7 @@ code before the fix."""
 from __future__ import annotations
 
 import json
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,11 +13,14 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 
+from epd_lab.servers import free_port
 from epd_middleware import EPDConfig, EPDMiddleware, HttpxTransport
 from epd_middleware.cli import pd_status
+from epd_middleware.config import ConfigurationError
 from epd_middleware.vllm_plugin import EPDPlugin
 
 from .fakes import FakeEncoders, FakeEngine, chat_body, image
+from .test_cli import run_check
 from .test_middleware import E0, png
 
 pytestmark = pytest.mark.anyio
@@ -159,3 +163,99 @@ async def test_check_pd_sends_vllm_s_key_without_keys_of_its_own(monkeypatch: py
     assert seen[0].headers["authorization"] == "Bearer k"
     await pd_status(EPDConfig(encoders=[E0], api_keys=["own"]), transport, "http://pd:8000")
     assert seen[1].headers["authorization"] == "Bearer own"
+
+
+# --- item 12: no password of a URL in any message ---------------------------------------------------
+
+SECRET = "s3cret"
+# Server URLs carrying a password, each wrong in another way besides (or cut by the list's commas).
+BAD_SERVER_URLS = [
+    f"http://alice:{SECRET}@enc-0:8001 http://enc-1:8001",  # a space
+    f"http://alice:{SECRET}@enc-0:8001;http://enc-1:8001",  # a ';'
+    f"http:/alice:{SECRET}@enc-0:8001",  # no host
+    f"alice:{SECRET}@enc-0:8001",  # no scheme
+    f"ftp://alice:{SECRET}@enc-0:8001",
+    f"http://alice:{SECRET}/x@enc-0:8001",  # a '/' in the password: urllib sees port {SECRET}
+    f"http://alice:{SECRET}?x@enc-0:8001",
+    f"http://alice:{SECRET}#x@enc-0:8001",
+    f"dns+http://alice:{SECRET}@enc:8001",
+    f"http://alice:ab,{SECRET}@enc-0:8001",  # cut by a comma: "http://alice:ab" and "{SECRET}@enc-0:8001"
+    f"http://alice:{SECRET},x@enc-0:8001",
+]
+
+
+def assert_secret_free(text: str, user: bool = True) -> None:
+    assert SECRET not in text, text
+    if user:  # cut by a comma, "http://alice:ab" reads as host alice, port "ab" (not shown)
+        assert "alice" not in text, text
+
+
+@pytest.mark.parametrize("value", BAD_SERVER_URLS)
+@pytest.mark.parametrize("field", ["encoders", "prefill"])
+def test_a_bad_server_url_never_shows_its_password(field: str, value: str) -> None:
+    """Before: the space, ';', no-host, scheme, query and port messages printed the URL as given,
+    password included, through options and EPD_* alike."""
+    with pytest.raises(ConfigurationError) as from_options:
+        EPDConfig.of_options({field: value.split(",")})
+    assert_secret_free(str(from_options.value), user="," not in value)
+    with pytest.raises(ConfigurationError) as from_env:
+        EPDConfig.from_env({f"EPD_{field.upper()}": value})
+    assert_secret_free(str(from_env.value), user="," not in value)
+    assert all(problem.startswith(f"EPD_{field.upper()}: ") for problem in from_env.value.problems)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("ec_consumer_zmq", f"tcp://alice:{SECRET}@pd-0:15000"),  # accepted before, and logged
+        ("ec_consumer_zmq", f"tcp://alice:{SECRET}@pd-0"),
+        ("ec_consumer_zmq", f"http://alice:{SECRET}@pd-0:15000"),
+        ("scheduler_allow", f"alice:{SECRET}@10.0.0.1:8001"),
+        ("scheduler_allow", f"http://alice:{SECRET}@10.0.0.0/8"),
+        ("dns_nameservers", f"alice:{SECRET}@10.0.0.10:53"),
+        ("paths", f"http://alice:{SECRET}@pd/v1/chat/completions"),
+        ("status_path", f"http://alice:{SECRET}@pd/epd/status"),
+    ],
+)
+def test_no_other_option_shows_a_password_either(field: str, value: str) -> None:
+    """Before: ec_consumer_zmq took a URL with credentials (shown on the status page and in the
+    start-up log), and every option naming an address printed it whole in its error."""
+    given: Any = value if field in ("ec_consumer_zmq", "status_path") else [value]
+    with pytest.raises(ConfigurationError) as from_options:
+        EPDConfig.of_options({"encoders": [E0], field: given})
+    assert_secret_free(str(from_options.value))
+    with pytest.raises(ConfigurationError) as from_env:
+        EPDConfig.from_env({"EPD_ENCODERS": E0, f"EPD_{field.upper()}": value})
+    assert_secret_free(str(from_env.value))
+
+
+def test_the_plugin_s_start_up_never_shows_a_password(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: vLLM stopped with the plugin's error, the password in it."""
+    monkeypatch.setenv("EPD_ENCODERS", f"http://alice:{SECRET}@enc-0:8001 http://enc-1:8001")
+    with caplog.at_level(logging.DEBUG), pytest.raises(ValueError, match="separate several URLs") as raised:
+        EPDPlugin().attach_router(FakeEngine().app())
+    assert "separate several URLs with commas" in str(raised.value)
+    assert_secret_free(str(raised.value))
+    assert_secret_free(caplog.text)
+
+
+def test_check_never_shows_a_password_in_its_text_or_json() -> None:
+    """Before: ``epd-middleware check`` printed the configuration error with the password, on stderr and
+    in ``--json``'s configuration_errors; and ``--pd URL`` with credentials was repeated whole in its
+    problem and its JSON."""
+    bad = f"http://alice:{SECRET}@enc-0:8001;http://enc-1:8001"
+    for args in ((), ("--json",)):
+        result = run_check(*args, env={"EPD_ENCODERS": bad})
+        assert result.returncode == 2
+        assert "separate several URLs with commas" in result.stderr
+        assert_secret_free(result.stdout + result.stderr)
+    closed = free_port()
+    pd = f"http://alice:{SECRET}@127.0.0.1:{closed}"
+    encoder = f"http://127.0.0.1:{free_port()}"
+    for args in (("--pd", pd), ("--pd", pd, "--json")):
+        result = run_check("--encoders", encoder, *args)
+        assert result.returncode == 1
+        assert f"pd http://...@127.0.0.1:{closed}: status page: " in result.stdout
+        assert_secret_free(result.stdout + result.stderr)
