@@ -6,21 +6,34 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from starlette.applications import Starlette
 
 from epd_lab.servers import free_port
 from epd_middleware import EPDConfig, EPDMiddleware, HttpxTransport
+from epd_middleware._metrics import Stats
 from epd_middleware.cli import pd_status
 from epd_middleware.config import ConfigurationError
 from epd_middleware.vllm_plugin import EPDPlugin
 
+from .dns_server import dns_server
 from .fakes import FakeEncoders, FakeEngine, chat_body, image
+from .load.harness import ROOT
 from .test_cli import run_check
+from .test_discovery import NAME, settle
+from .test_discovery import middleware as dns_middleware
+from .test_discovery import url as dns_url
 from .test_middleware import E0, png
 
 pytestmark = pytest.mark.anyio
@@ -259,3 +272,124 @@ def test_check_never_shows_a_password_in_its_text_or_json() -> None:
         assert result.returncode == 1
         assert f"pd http://...@127.0.0.1:{closed}: status page: " in result.stdout
         assert_secret_free(result.stdout + result.stderr)
+
+
+# --- item 13: a server that left takes its metric series along -------------------------------------
+
+LEAVER, STAYER = "127.0.0.41", "127.0.0.42"
+
+
+def series_of(server: str) -> dict[str, float]:
+    """Every sample in the default registry labelled with ``server`` (as encoder or prefill)."""
+    return {
+        f"{sample.name}{sorted(sample.labels.items())}": sample.value
+        for metric in REGISTRY.collect()
+        for sample in metric.samples
+        if server in (sample.labels.get("encoder"), sample.labels.get("prefill"))
+    }
+
+
+async def test_a_server_that_left_the_pool_takes_every_series_along() -> None:
+    """Before: only ``_healthy`` and ``_model_ok`` of a server DNS no longer named were removed; its call
+    latencies, failovers and in-flight gauge stayed for ever, and a call still in flight when it left
+    brought its series back when it ended."""
+    leaver, stayer = dns_url(LEAVER), dns_url(STAYER)
+    async with dns_server({NAME: [LEAVER, STAYER]}) as dns:
+        fakes = FakeEncoders([leaver, stayer])
+        app = dns_middleware(dns.address, fakes, encoder_timeout=1, max_attempts=2, eject_after=100)
+        await settle(app, LEAVER, STAYER)
+        fakes.mode[leaver] = "500"
+        for seed in range(1, 3):  # round robin: one of them fails on the leaver and fails over
+            assert (await post(app, chat_body(image(png(seed))))).status_code == 200
+        fakes.mode[leaver] = "hang"
+        ended: list[int] = []
+
+        async def one(seed: int) -> None:
+            ended.append((await post(app, chat_body(image(png(seed))))).status_code)
+
+        async with anyio.create_task_group() as group:
+            for seed in range(3, 5):  # one of them hangs on the leaver until encoder_timeout
+                group.start_soon(one, seed)
+            with anyio.fail_after(5):
+                while fakes.in_flight.get(leaver) != 1:  # noqa: ASYNC110 (the fake counts its calls)
+                    await anyio.sleep(0.01)
+            names = set(series_of(leaver))
+            for kind in ("call_duration_seconds_count", "failovers_total", "healthy", "in_flight"):
+                assert any(f"epd_encoder_{kind}" in name for name in names), kind
+            dns.records[NAME] = [STAYER]
+            await settle(app, STAYER)
+            assert series_of(leaver) == {}
+        assert len(ended) == 2
+        # The call in flight ended after the server left (timeout, then the failover to the stayer):
+        # its series did not come back.
+        assert series_of(leaver) == {}
+
+        fakes.mode[leaver] = "ok"
+        dns.records[NAME] = [LEAVER, STAYER]
+        await settle(app, LEAVER, STAYER)
+        back = series_of(leaver)
+    assert back[f"epd_encoder_healthy{[('encoder', leaver)]}"] == 1
+    assert back.get(f"epd_encoder_in_flight{[('encoder', leaver)]}", 0) == 0
+
+
+def test_a_call_in_flight_across_a_leave_and_a_return_is_counted_once() -> None:
+    """The in-flight gauge of a server that left while a call was in flight, and came back before the
+    call ended, says the truth: 1 while that call runs, 0 after (not -1 for ever); a late outcome of a
+    server still gone is not exported, and every labelled series goes, model_ok and foreign answers
+    included."""
+    stats, server = Stats(), "http://metrics-leave:8001"
+    stats.health("encoder", server, True)
+    stats.model_check("encoder", server, True)
+    stats.in_flight("encoder", server, 1)
+    stats.foreign_answer("encoder", server)
+    stats.call("encoder", server, "bad_reply", 0.01)
+    stats.failover("encoder", server)
+    assert len(series_of(server)) > 6
+    stats.forget("encoder", server)
+    assert series_of(server) == {}
+    stats.call("encoder", server, "ok", 0.01)  # another call, still in flight when it left, ends
+    stats.failover("encoder", server)
+    stats.foreign_answer("encoder", server)
+    assert series_of(server) == {}
+    stats.health("encoder", server, True)  # the pool exports a member's health first when it joins
+    assert series_of(server)[f"epd_encoder_in_flight{[('encoder', server)]}"] == 1
+    stats.in_flight("encoder", server, -1)  # the call from before the leave ends
+    assert series_of(server)[f"epd_encoder_in_flight{[('encoder', server)]}"] == 0
+    assert stats.counters["encoder_calls_ok"] == 1  # the status page's counters count every call
+
+
+def test_with_several_processes_a_departed_server_s_gauges_are_neutral(tmp_path: Path) -> None:
+    """prometheus_client cannot remove a series from the per-process files of PROMETHEUS_MULTIPROC_DIR
+    (``remove`` only warns): a departed server's gauges are set to values that change no aggregate and
+    fire no alert (in flight 0, healthy 0: it takes no traffic, model_ok 1: min's neutral), and late
+    updates stay out. Its counters and histograms keep their totals until the directory is cleared."""
+    script = textwrap.dedent(
+        f"""
+        from epd_middleware._metrics import Stats
+        stats = Stats()
+        stats.health("encoder", "{E0}", True)
+        stats.model_check("encoder", "{E0}", False)
+        stats.in_flight("encoder", "{E0}", 2)
+        stats.call("encoder", "{E0}", "ok", 0.5)
+        stats.forget("encoder", "{E0}")
+        stats.in_flight("encoder", "{E0}", -1)
+        stats.call("encoder", "{E0}", "ok", 0.5)
+        """
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script], env=env, check=True, cwd=ROOT)
+    reader = textwrap.dedent(
+        f"""
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.multiprocess import MultiProcessCollector
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        for name in ("in_flight", "healthy", "model_ok", "call_duration_seconds_count"):
+            labels = {{"encoder": "{E0}"}}
+            if name.startswith("call"):
+                labels["outcome"] = "ok"
+            print(registry.get_sample_value("epd_encoder_" + name, labels))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0.0", "0.0", "1.0", "1.0"]
