@@ -10,6 +10,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,12 +27,12 @@ from starlette.applications import Starlette
 from epd_lab.servers import free_port
 from epd_middleware import EPDConfig, EPDMiddleware, HttpxTransport
 from epd_middleware._metrics import Stats
-from epd_middleware.cli import pd_status
+from epd_middleware.cli import main, pd_status
 from epd_middleware.config import ConfigurationError
 from epd_middleware.vllm_plugin import EPDPlugin
 
 from .dns_server import dns_server
-from .fakes import FakeEncoders, FakeEngine, chat_body, image
+from .fakes import FakeEncoders, FakeEngine, chat_body, image, models_answer
 from .load.harness import ROOT
 from .test_cli import run_check
 from .test_discovery import NAME, settle
@@ -393,3 +397,92 @@ def test_with_several_processes_a_departed_server_s_gauges_are_neutral(tmp_path:
     )
     out = subprocess.run([sys.executable, "-c", reader], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0.0", "0.0", "1.0", "1.0"]
+
+
+# --- item 14: check --pd reads any answer without a traceback ---------------------------------------
+
+
+@contextmanager
+def pd_server(page: bytes) -> Iterator[str]:
+    """A loopback server that is an encoder of model ``m`` and a PD whose status page is ``page``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/epd/status":
+                body = page
+            elif self.path == "/v1/models":
+                body = json.dumps(models_answer(["m"])).encode()
+            else:
+                body = b""
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+MIB = 1024 * 1024
+BAD_PAGES = [
+    pytest.param(deep(100_000).encode(), "not JSON", id="nested-100k-deep"),
+    pytest.param(
+        f'{{"model_runner": {deep(900)}, "known_problems": []}}'.encode(), "model_runner", id="deep-runner"
+    ),
+    pytest.param(f'{{"known_problems": [{deep(900)}]}}'.encode(), "known_problems", id="deep-problem"),
+    pytest.param(b'{"known_problems": [{"a": 1}]}', "known_problems", id="problem-not-a-string"),
+    pytest.param(b'{"known_problems": "V1 runner"}', "known_problems", id="problems-not-a-list"),
+    pytest.param(b'{"model_runner": 2, "known_problems": []}', "model_runner", id="runner-not-a-string"),
+    pytest.param(b"\xff\xfe{", "not JSON", id="not-utf8"),
+    pytest.param(b"1" * 5000, "not JSON", id="a-number-too-long-for-python"),
+    pytest.param(b'{"known_problems": ["' + b"x" * (9 * MIB) + b'"]}', "too large", id="9-MiB"),
+]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize(("page", "words"), BAD_PAGES)
+def test_check_pd_names_any_bad_status_page_as_a_problem(
+    page: bytes, words: str, backend: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: a status page nested 100,000 deep crashed ``check --pd`` with a RecursionError traceback
+    (exit 1 by accident); one nested 900 deep crashed ``--json``'s output; a page of the wrong shape was
+    printed as warnings ("{'a': 1}"); and the answer was read up to the client's 256 MiB."""
+    for name in [name for name in os.environ if name.startswith(("EPD_", "VLLM_"))]:
+        monkeypatch.delenv(name)
+    with pd_server(page) as url:
+        for output in ((), ("--json",)):
+            args = ["check", "--encoders", url, "--expected-model", "m", "--pd", url, *output]
+            assert main([*args, "--backend", backend]) == 1
+            out = capsys.readouterr().out
+            if output:
+                payload = json.loads(out)
+                assert payload["pd"] is None
+                [problem] = payload["problems"]
+            else:
+                [problem] = [
+                    line.removeprefix("problem: ") for line in out.splitlines() if "problem: " in line
+                ]
+            assert problem.startswith(f"pd {url}: status page: "), problem
+            assert words in problem, problem
+            assert len(out) < 10_000
+
+
+def test_check_pd_with_a_good_status_page_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    page = {"model_runner": "v1", "known_problems": ["ECMooncakeConnector on the V1 model runner"]}
+    with pd_server(json.dumps(page).encode()) as url:
+        assert main(["check", "--encoders", url, "--expected-model", "m", "--pd", url]) == 0
+    assert f"warning: pd {url}: ECMooncakeConnector on the V1 model runner" in capsys.readouterr().out
