@@ -14,12 +14,26 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "Allowlist",
+    "masked",
     "parse_allowlist",
     "parse_nameserver",
     "port_number",
     "split_host_port",
     "url_host_port",
 ]
+
+
+def masked(text: str) -> str:
+    """``text`` as a message or a log line may show it: a URL's userinfo (``user:password@``: everything
+    from after the first ``://`` to the last ``@``, or from the start without a scheme) becomes ``...``.
+    It reads no URL syntax, so it masks in text that is no URL at all (a space, no host, no scheme, a
+    password holding '/', '?' or '#'), which is where a message names one."""
+    at = text.rfind("@")
+    if at < 0:
+        return text
+    scheme_end = text.find("://")
+    start = scheme_end + 3 if 0 <= scheme_end < at else 0
+    return f"{text[:start]}...{text[at:]}"
 
 
 def split_host_port(entry: str) -> tuple[str, int] | None:
@@ -77,11 +91,11 @@ def parse_nameserver(entry: str) -> tuple[str, int]:
     """``host:port`` / ``[v6]:port`` of a DNS server (an IP address); ValueError otherwise."""
     parsed = split_host_port(entry.strip())
     if parsed is None:
-        raise ValueError(f"DNS server {entry!r} is not ip:port or [v6]:port")
+        raise ValueError(f"DNS server {masked(entry)!r} is not ip:port or [v6]:port")
     try:
         ipaddress.ip_address(parsed[0])
     except ValueError:
-        raise ValueError(f"DNS server {entry!r} must be an IP address") from None
+        raise ValueError(f"DNS server {masked(entry)!r} must be an IP address") from None
     return parsed
 
 
@@ -124,12 +138,12 @@ def parse_allowlist(entries: Sequence[str]) -> Allowlist:
             try:
                 networks.append((ipaddress.ip_network(text, strict=False), port))
             except ValueError:
-                raise ValueError(f"scheduler_allow entry {entry!r} is not a network") from None
+                raise ValueError(f"scheduler_allow entry {masked(entry)!r} is not a network") from None
             continue
         target = split_host_port(entry)
         if target is None:
             raise ValueError(
-                f"scheduler_allow entry {entry!r} is neither a network (10.0.0.0/8, 10.0.0.0/8:8001) "
+                f"scheduler_allow entry {masked(entry)!r} is neither a network (10.0.0.0/8, 10.0.0.0/8:8001) "
                 "nor ip:port / [v6]:port / host:port"
             )
         exact.add(target)
@@ -139,5 +153,5 @@ def parse_allowlist(entries: Sequence[str]) -> Allowlist:
 def _port(text: str, entry: str) -> int:
     port = port_number(text)
     if port is None:
-        raise ValueError(f"scheduler_allow entry {entry!r} has no valid port")
+        raise ValueError(f"scheduler_allow entry {masked(entry)!r} has no valid port")
     return port

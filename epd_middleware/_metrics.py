@@ -7,11 +7,17 @@ API-server processes vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before the app is bu
 ``prometheus_client`` then writes these metrics to per-process files too, counters and histograms are
 summed over processes, the in-flight gauge is summed over live processes, and the health gauge takes the
 minimum (an encoder one process has ejected shows as unhealthy).
+
+A server that leaves its pool (DNS no longer names it) takes its labelled series along. In multiprocess
+mode ``prometheus_client`` cannot remove a series from the files (``remove`` only warns): its gauges are
+set to values that change no aggregate and fire no alert, and its counters and histograms keep their
+totals until vLLM clears the directory at its next start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from typing import Any
 
@@ -144,6 +150,18 @@ class _PoolMetrics:
             [role],
             multiprocess_mode="livesum",
         )
+        # Every metric with a series per server, and what a departed server's gauges are set to where
+        # series cannot be removed: no call in flight, no traffic taken, and 1 for model_ok (the
+        # minimum's neutral value: no "serves another model" for a server that is gone).
+        self.per_server = (
+            self.call_seconds,
+            self.failovers,
+            self.foreign_answers,
+            self.healthy,
+            self.model_ok,
+            self.in_flight,
+        )
+        self.departed_values = ((self.in_flight, 0), (self.healthy, 0), (self.model_ok, 1))
 
 
 def _request_labels(outcome: str) -> tuple[str, str]:
@@ -157,6 +175,13 @@ def _request_labels(outcome: str) -> tuple[str, str]:
 
 _prometheus: _Prometheus | None = None
 _loaded = False
+# Departed servers remembered per Stats (see Stats._departed).
+_MAX_DEPARTED = 4096
+
+
+def _multiprocess() -> bool:
+    """Whether metrics live in per-process files (prometheus_client's own test, in ``remove``)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
 
 
 def _metrics() -> _Prometheus | None:
@@ -182,6 +207,12 @@ class Stats:
         self.counters: Counter[str] = Counter()
         self._prom = _metrics()
         self._children: dict[tuple[object, ...], Any] = {}
+        # Servers that left their pool, as (role, label), oldest first: their series are gone, and what a
+        # call still in flight to one reports when it ends stays out (it would bring them back for good).
+        self._departed: dict[tuple[str, str], None] = {}
+        # Calls in flight per (role, label), exported or not: a server back in its pool shows the
+        # calls from before it left that still run.
+        self._in_flight: Counter[tuple[str, str]] = Counter()
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), *labels)
@@ -230,12 +261,12 @@ class Stats:
 
     def call(self, role: str, server: str, outcome: str, seconds: float) -> None:
         self.counters[f"{role}_calls_{outcome}"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].call_seconds, server, outcome).observe(seconds)
 
     def failover(self, role: str, server: str) -> None:
         self.counters[f"{role}_failovers"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].failovers, server).inc()
 
     def blame(self, role: str, server: str, blame: str) -> None:
@@ -250,7 +281,7 @@ class Stats:
 
     def foreign_answer(self, role: str, server: str) -> None:
         self.counters[f"{role}_foreign_answers"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].foreign_answers, server).inc()
 
     def encoder_source(self, source: str) -> None:
@@ -273,23 +304,60 @@ class Stats:
             self._child(self._prom.pool_members, role).set(members)
 
     def model_check(self, role: str, server: str, ok: bool) -> None:
+        """A member's model verdict (the pool exports none for other servers)."""
         if self._prom is not None:
+            self._rejoined(role, server)
             self._child(self._prom.pools[role].model_ok, server).set(1 if ok else 0)
 
     def forget(self, role: str, server: str) -> None:
-        """A server left the pool: its health and model series go (a gauge would otherwise keep its
-        last value forever)."""
-        if self._prom is not None:
-            pool = self._prom.pools[role]
-            for metric in (pool.healthy, pool.model_ok):
-                self._children.pop((id(metric), server), None)
+        """A server left the pool: every series labelled with it goes (calls, failovers, foreign answers,
+        health, model, in flight), and stays gone until the pool exports its health again (it is back).
+        A gauge would otherwise keep its last value for ever, and the others grow with every address a
+        DNS name ever had."""
+        if self._prom is None:
+            return
+        self._departed[(role, server)] = None
+        if len(self._departed) > _MAX_DEPARTED:
+            # Every address a DNS name ever had would stay here; the oldest left long ago, and its
+            # calls, bounded by their timeouts, have ended.
+            del self._departed[next(iter(self._departed))]
+        pool = self._prom.pools[role]
+        if _multiprocess():
+            for metric, value in pool.departed_values:
+                child = self._children.get((id(metric), server))
+                if child is not None:
+                    child.set(value)
+            return
+        for metric in pool.per_server:
+            for key in [key for key in self._children if key[:2] == (id(metric), server)]:
+                del self._children[key]
                 with contextlib.suppress(KeyError):
-                    metric.remove(server)
+                    metric.remove(*key[1:])
 
     def health(self, role: str, server: str, healthy: bool) -> None:
+        """A member's health (the pool exports none for other servers, and a joining member's first)."""
         if self._prom is not None:
+            self._rejoined(role, server)
             self._child(self._prom.pools[role].healthy, server).set(1 if healthy else 0)
 
     def in_flight(self, role: str, server: str, delta: int) -> None:
-        if self._prom is not None:
+        if self._prom is None:
+            return
+        key = (role, server)
+        count = self._in_flight[key] + delta
+        if count:
+            self._in_flight[key] = count
+        else:
+            del self._in_flight[key]
+        if key not in self._departed:
             self._child(self._prom.pools[role].in_flight, server).inc(delta)
+
+    def _rejoined(self, role: str, server: str) -> None:
+        """A departed server whose health or model is exported is a member again: its series come back,
+        the in-flight gauge with the calls from before it left that still run."""
+        key = (role, server)
+        if key in self._departed:
+            assert self._prom is not None
+            del self._departed[key]
+            if self._in_flight[key]:
+                self._child(self._prom.pools[role].in_flight, server).set(self._in_flight[key])

@@ -12,9 +12,10 @@ when any is not, 2 when the configuration itself is wrong (every mistake named, 
 contradicting timeouts) are printed and do not change the exit status.
 
 ``--pd URL`` also reads the running PD server's status page (``status_path``, with the first of
-``EPD_API_KEYS`` where keys are set): what the middleware inside it knows about vLLM there (the model
-runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as warnings; a status
-page that cannot be read is a problem.
+``EPD_API_KEYS``, else ``VLLM_API_KEY``, where keys are set): what the middleware inside it knows about
+vLLM there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as
+warnings; a status page that cannot be read (no answer, not JSON, nested too deep, of the wrong shape,
+over :data:`MAX_ANSWER`) is a problem.
 """
 
 from __future__ import annotations
@@ -32,15 +33,21 @@ from typing import Any
 import anyio
 
 from . import __version__
+from ._addresses import masked
 from ._compat import Expectation, check_models
 from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
 from ._metrics import Stats
 from ._pool import PoolPolicy, ServerPool
 from .config import ConfigurationError, EPDConfig, unknown_variables
+from .host import vllm_api_keys
 from .transport import Transport
 
-__all__ = ["ServerReport", "check_fleet", "main"]
+__all__ = ["MAX_ANSWER", "ServerReport", "check_fleet", "main"]
+
+# The largest answer the command reads from any server: a status page of thousands of servers, or a
+# /v1/models of many models, is far smaller; a server that says more is not read to the end.
+MAX_ANSWER = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +191,11 @@ def _server_problems(environ: dict[str, str]) -> list[str]:
 async def pd_status(
     config: EPDConfig, client: Transport, url: str
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """The PD's status page as the middleware inside it writes it, or why it could not be read."""
-    headers = {"authorization": f"Bearer {config.api_keys[0]}"} if config.api_keys else {}
+    """The PD's status page as the middleware inside it writes it, or why it could not be read. Any
+    answer is a page or a reason, never an exception: its ``model_runner`` is a string or null and its
+    ``known_problems`` a list of strings (either may be missing, from an older middleware)."""
+    keys = (*config.api_keys, *vllm_api_keys())
+    headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
     limit = config.health_check_timeout
     try:
         with anyio.fail_after(limit):
@@ -198,34 +208,45 @@ async def pd_status(
         return None, exc.reason
     if status != 200:
         return None, f"HTTP {status} (is the middleware loaded there, and EPD_API_KEYS one of its keys?)"
+    if len(body) > MAX_ANSWER:  # a transport other than the command's own reads without its bound
+        return None, f"answer body too large (over {MAX_ANSWER // 1024 // 1024} MiB)"
+    not_the_page = "not the middleware's status page"
     try:
         page = json.loads(body)
-    except ValueError:
-        page = None
+    except (ValueError, RecursionError):
+        # Python's json recurses per level: a page nested thousands deep is no page.
+        return None, f"{not_the_page} (not JSON, or nested too deep)"
     if not isinstance(page, dict):
-        return None, "not the middleware's status page (no JSON object)"
+        return None, f"{not_the_page} (no JSON object)"
+    if not isinstance(page.get("model_runner"), str | None):
+        return None, f"{not_the_page} (model_runner is not a string)"
+    known = page.get("known_problems", [])
+    if not isinstance(known, list) or not all(isinstance(line, str) for line in known):
+        return None, f"{not_the_page} (known_problems is not a list of strings)"
     return page, None
 
 
 async def _run(
     args: argparse.Namespace, config: EPDConfig
 ) -> tuple[list[ServerReport], list[str], dict[str, Any] | None]:
-    client = HTTPClient(connect_timeout=min(config.connect_timeout, config.health_check_timeout))
+    client = HTTPClient(
+        connect_timeout=min(config.connect_timeout, config.health_check_timeout), max_body=MAX_ANSWER
+    )
     try:
         expected = args.expected_model or config.expected_model
         reports, problems = await check_fleet(config, client, expected)
         pd = None
         if args.pd:
+            shown = masked(args.pd)  # the command line's URL may carry a password
             page, error = await pd_status(config, client, args.pd)
             if error is not None:
-                problems.append(f"pd {args.pd}: status page: {error}")
+                problems.append(f"pd {shown}: status page: {error}")
             else:
                 assert page is not None
-                known = page.get("known_problems")
                 pd = {
-                    "url": args.pd,
+                    "url": shown,
                     "model_runner": page.get("model_runner"),
-                    "known_problems": [str(line) for line in known] if isinstance(known, list) else [],
+                    "known_problems": page.get("known_problems", []),
                 }
         return reports, problems, pd
     finally:

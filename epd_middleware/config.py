@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from ._addresses import parse_allowlist, parse_nameserver, port_number
+from ._addresses import masked, parse_allowlist, parse_nameserver, port_number
 from ._logs import logger
 
 __all__ = [
@@ -353,7 +353,8 @@ class EPDConfig(BaseModel):
         repr=False,
         description=(
             "Bearer tokens accepted on intercepted requests (checked before any encoder work) and on the "
-            "status endpoint. From the environment: EPD_API_KEYS, else VLLM_API_KEY. Empty: no check."
+            "status endpoint besides vLLM's own keys (--api-key, else VLLM_API_KEY), which are always "
+            "checked. Empty (and empty strings): no extra keys; with no key at all, no check."
         ),
     )
     authenticate: bool = Field(
@@ -393,54 +394,71 @@ class EPDConfig(BaseModel):
         role = "encoder" if info.field_name == "encoders" else "prefill"
         cleaned = []
         for url in urls:
+            # A URL may carry a password whatever else is wrong with it: every message names it masked.
+            shown = masked(url)
             if any(character.isspace() or character == ";" for character in url):
                 raise ValueError(
-                    f"{role} URL {url[:100]!r} holds a space or ';': separate several URLs with commas"
+                    f"{role} URL {shown[:100]!r} holds a space or ';': separate several URLs with commas"
                 )
             parts = urlsplit(url)
             if "@" in parts.netloc:
                 # Credentials in a URL would show wherever the URL does (errors, the status page, metric
                 # labels), and no call would send them: refused, and the secret never repeated.
-                shown = f"{parts.scheme}://...@{parts.netloc.rpartition('@')[2]}"
                 raise ValueError(
                     f"{role} URL {shown!r} carries credentials (user:password@); give the servers' key as "
                     "encoder_api_key (EPD_ENCODER_API_KEY) instead"
                 )
             if parts.scheme not in ("http", "https", "dns+http", "dns+https") or not parts.netloc:
-                raise ValueError(f"{role} URL {url!r} is not an http(s) or dns+http(s) URL with a host")
+                raise ValueError(f"{role} URL {shown!r} is not an http(s) or dns+http(s) URL with a host")
             if parts.query or parts.fragment:
-                raise ValueError(f"{role} URL {url!r} must not carry a query or fragment")
+                raise ValueError(f"{role} URL {shown!r} must not carry a query or fragment")
             port_text = parts.netloc.rpartition("]")[2].rpartition(":")
             if port_text[1] and port_number(port_text[2]) is None:
-                raise ValueError(f"{role} URL {url!r}: the port must be a number from 1 to 65535")
+                if shown == url and not (port_text[2].isascii() and port_text[2].isdigit()):
+                    # Not a number: perhaps the start of a password the list's commas cut off
+                    # ("http://user:pa,ss@host"), so it is not repeated either.
+                    end = url.find("//") + 2 + len(parts.netloc)
+                    shown = f"{url[: end - len(port_text[2])]}...{url[end:]}"
+                raise ValueError(f"{role} URL {shown!r}: the port must be a number from 1 to 65535")
             if not parts.hostname:
-                raise ValueError(f"{role} URL {url!r} has no host")
+                raise ValueError(f"{role} URL {shown!r} has no host")
             if parts.scheme.startswith("dns+"):
                 try:
                     port = parts.port
                 except ValueError:
                     port = None
                 if port is None or parts.path.strip("/"):
-                    raise ValueError(f"{role} URL {url!r}: a dns+ URL is dns+http(s)://NAME:PORT")
+                    raise ValueError(f"{role} URL {shown!r}: a dns+ URL is dns+http(s)://NAME:PORT")
             url = url.rstrip("/")
             if parts.path.rstrip("/").endswith("/v1"):
                 # An OpenAI-style base URL: the calls add /v1/... themselves, so /v1 would be asked twice.
                 url = url.removesuffix("/v1")
                 logger.warning(
-                    "epd: %s URL %s/v1: the middleware adds /v1/... itself; using %s", role, url, url
+                    "epd: %s URL %s/v1: the middleware adds /v1/... itself; using %s",
+                    role,
+                    masked(url),
+                    masked(url),
                 )
             cleaned.append(url)
         if len(set(cleaned)) != len(cleaned):
-            raise ValueError(f"{role} URLs are repeated: {list(urls)}")
+            raise ValueError(f"{role} URLs are repeated: {[masked(url) for url in urls]}")
         return tuple(cleaned)
 
     @field_validator("ec_consumer_zmq")
     @classmethod
     def _check_consumer(cls, address: str | None) -> str | None:
         if address is not None:
+            shown = masked(address)
+            if "@" in address:
+                # ZMQ takes no credentials, and the address is logged and on the status page.
+                raise ValueError(f"ec_consumer_zmq {shown!r} carries credentials; it is tcp://HOST:PORT")
             parts = urlsplit(address)
-            if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-                raise ValueError(f"ec_consumer_zmq {address!r} is not a tcp://HOST:PORT address")
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme != "tcp" or not parts.hostname or port is None:
+                raise ValueError(f"ec_consumer_zmq {shown!r} is not a tcp://HOST:PORT address")
         return address
 
     @field_validator("scheduler_allow")
@@ -461,14 +479,14 @@ class EPDConfig(BaseModel):
     def _check_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
         for path in paths:
             if not path.startswith("/"):
-                raise ValueError(f"path {path!r} must start with '/'")
+                raise ValueError(f"path {masked(path)!r} must start with '/'")
         return paths
 
     @field_validator("status_path")
     @classmethod
     def _check_status_path(cls, path: str) -> str:
         if path and not path.startswith("/"):
-            raise ValueError(f"status_path {path!r} must start with '/' (or be empty to turn it off)")
+            raise ValueError(f"status_path {masked(path)!r} must start with '/' (or be empty to turn it off)")
         return path
 
     @field_validator("encoder_api_key")
@@ -547,9 +565,6 @@ class EPDConfig(BaseModel):
                 values[name] = tuple(item.strip() for item in raw.split(",") if item.strip())
             else:
                 values[name] = raw.strip()
-        if "api_keys" not in values and env.get("VLLM_API_KEY"):
-            # The key vLLM itself checks: with --middleware the middleware runs outside that check.
-            values["api_keys"] = (env["VLLM_API_KEY"],)
         unknown = unknown_variables(env)
         try:
             config = cls(**values)

@@ -25,7 +25,7 @@ from ._media_policy import MediaPolicy
 from ._protocol import DATA_PARALLEL_RANK_HEADER, EXAMPLE_EC_CONNECTOR, MOONCAKE_EC_CONNECTOR
 from .config import EPDConfig
 
-__all__ = ["Host", "MooncakeConsumers"]
+__all__ = ["Host", "MooncakeConsumers", "vllm_api_keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +46,11 @@ class Host:
     nothing (not vLLM); tests and other servers build one directly."""
 
     inside_vllm: bool = False
-    # Every key a request may carry: the middleware's own api_keys and vLLM's --api-key.
-    api_keys: tuple[str, ...] = ()
+    # Every key a request may carry: the middleware's own api_keys and vLLM's (--api-key, else
+    # VLLM_API_KEY). The empty string is never a key.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     # The keys vLLM's own check takes (--api-key, else VLLM_API_KEY): what guards /v1/* besides us.
-    vllm_api_keys: tuple[str, ...] = ()
+    vllm_api_keys: tuple[str, ...] = field(default=(), repr=False)
     ec_connector: str | None = None
     ec_role: str | None = None
     ec_consumer: bool = False
@@ -82,15 +83,18 @@ class Host:
     _next_rank: int = field(init=False, default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._digests = tuple(hashlib.sha256(key.encode()).digest() for key in dict.fromkeys(self.api_keys))
+        self._digests = tuple(
+            hashlib.sha256(key.encode()).digest() for key in dict.fromkeys(self.api_keys) if key
+        )
 
     # Building one ----------------------------------------------------------------------------------
 
     @classmethod
     def outside(cls, config: EPDConfig) -> Host:
-        """No vLLM server (or one that has not said yet): only the options speak."""
+        """No vLLM server (or one that has not said yet): the options speak, and VLLM_API_KEY, the key
+        vLLM would check."""
         return cls(
-            api_keys=config.api_keys,
+            api_keys=(*config.api_keys, *vllm_api_keys()),
             storage=config.ec_storage_path if config.check_embeddings else None,
             push=_consumer_option(config),
             expectation=_expected_model(config),
@@ -114,8 +118,7 @@ class Host:
         (None: the facts alone, every check on)."""
         ec = getattr(vllm_config, "ec_transfer_config", None)
         connector = getattr(ec, "ec_connector", None)
-        cli_keys = _cli_api_keys(args)
-        env_key = os.environ.get("VLLM_API_KEY")
+        vllm_keys = vllm_api_keys(args)
         storage = None
         if config is None or config.check_embeddings:
             storage = (config.ec_storage_path if config else None) or _example_connector_storage(ec)
@@ -124,8 +127,10 @@ class Host:
             expectation = _expectation(vllm_config) or (_expected_model(config) if config else None)
         host = cls(
             inside_vllm=True,
-            api_keys=(*(config.api_keys if config else ()), *cli_keys),
-            vllm_api_keys=tuple(cli_keys) or ((env_key,) if env_key else ()),
+            # vLLM's keys whatever the options say: api_keys only adds keys (with --middleware the
+            # middleware runs outside vLLM's check, and with the plugin the status page is outside /v1).
+            api_keys=(*(config.api_keys if config else ()), *vllm_keys),
+            vllm_api_keys=vllm_keys,
             ec_connector=connector if isinstance(connector, str) else None,
             ec_role=getattr(ec, "ec_role", None),
             ec_consumer=bool(getattr(ec, "is_ec_consumer", False)),
@@ -265,13 +270,20 @@ def _expected_model(config: EPDConfig) -> Expectation | None:
     return Expectation(frozenset({model})) if model and config.check_models else None
 
 
-def _cli_api_keys(args: object) -> list[str]:
-    """The keys given on vLLM's command line (``--api-key``, ``nargs="+"``: a list; a plain string from
-    older versions and custom launchers is one key)."""
+def vllm_api_keys(args: object = None) -> tuple[str, ...]:
+    """The keys vLLM's own check takes (``entrypoints/serve/middleware/register.py``): those of its
+    command line (``--api-key``, ``nargs="+"``: a list; a plain string from older versions and custom
+    launchers is one key), else ``VLLM_API_KEY``; an empty one is no key. vLLM itself reads
+    ``--api-key ""`` as "no key" even with VLLM_API_KEY set; here VLLM_API_KEY then still counts: an
+    empty value never takes a key away."""
     keys = getattr(args, "api_key", None) or []
     if isinstance(keys, str):
         keys = [keys]
-    return [key for key in keys if isinstance(key, str) and key]
+    given = tuple(key for key in keys if isinstance(key, str) and key)
+    if given:
+        return given
+    env_key = os.environ.get("VLLM_API_KEY")
+    return (env_key,) if env_key else ()
 
 
 def _unguarded_routes(args: object) -> tuple[str, ...]:

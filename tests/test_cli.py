@@ -70,6 +70,9 @@ async def test_check_reports_dns_problems() -> None:
 def run_check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     command = Path(sys.executable).parent / "epd-middleware"
     environment = {key: value for key, value in os.environ.items() if not key.startswith("EPD_")}
+    # The installed command imports the package where it was installed from; the tree under test
+    # comes first (a worktree's own code, not the checkout the environment was built from).
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
     return subprocess.run(
         [str(command), "check", *args],
         capture_output=True,

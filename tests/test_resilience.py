@@ -447,14 +447,18 @@ async def test_api_key_is_checked_before_encoder_work() -> None:
     assert (await post(app, body, headers={"authorization": "Bearer k2"})).status_code == 200
 
 
-def test_vllm_api_key_is_the_default_for_the_env_config() -> None:
+def test_vllm_api_key_is_checked_besides_the_middleware_s_own_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_API_KEY is vLLM's key, which the host adds (outside vLLM too): api_keys holds only the
+    middleware's own (issue 29, item 7: before, it stood in for VLLM_API_KEY, and an empty EPD_API_KEYS
+    dropped vLLM's key)."""
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
     config = EPDConfig.from_env({"EPD_ENCODERS": E0, "VLLM_API_KEY": "secret"})
-    assert config.api_keys == ("secret",)
-    assert "secret" not in repr(config)
-    assert EPDConfig.from_env({"EPD_ENCODERS": E0, "VLLM_API_KEY": "s", "EPD_API_KEYS": "a,b"}).api_keys == (
-        "a",
-        "b",
-    )
+    assert config.api_keys == ()
+    assert Host.outside(config).api_keys == ("secret",)
+    both = EPDConfig.from_env({"EPD_ENCODERS": E0, "VLLM_API_KEY": "secret", "EPD_API_KEYS": "a,b"})
+    assert both.api_keys == ("a", "b")
+    assert Host.outside(both).api_keys == ("a", "b", "secret")
+    assert "secret" not in repr(Host.outside(both))
 
 
 async def test_encoder_auth_and_the_clients_authorization() -> None:

@@ -45,8 +45,16 @@ class _Origin:
 class HTTPClient:
     """Keep-alive HTTP/1.1 client; one per middleware, used from one event loop."""
 
-    def __init__(self, *, connect_timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+        max_body: int | None = None,
+    ) -> None:
+        """``max_body``: the largest answer body taken (default: the framing's 256 MiB)."""
         self._connect_timeout = connect_timeout
+        self._max_body = max_body
         self._ssl_context = ssl_context
         self._origins: dict[str, _Origin] = {}
         self._closed = False
@@ -82,7 +90,7 @@ class HTTPClient:
         try:
             try:
                 await connection.send(message)
-                status, payload, keep = await read_answer(connection)
+                status, payload, keep = await read_answer(connection, self._max_body)
             except ConnectionLost as exc:
                 if not reused or exc.answered:
                     raise
@@ -91,7 +99,7 @@ class HTTPClient:
                 await connection.aclose()
                 connection, reused = await self._open(origin), False
                 await connection.send(message)
-                status, payload, keep = await read_answer(connection)
+                status, payload, keep = await read_answer(connection, self._max_body)
         except BaseException:
             await connection.aclose()
             raise

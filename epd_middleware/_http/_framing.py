@@ -46,6 +46,7 @@ class _Answer:
         "head_done",
         "head_size",
         "keep",
+        "max_body",
         "parser",
         "problem",
         "size",
@@ -54,8 +55,9 @@ class _Answer:
         "transfer_encoding",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, max_body: int | None) -> None:
         self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        self.max_body = MAX_BODY if max_body is None else max_body
         self.status = 0
         self.head_done = False
         self.head_size = 0
@@ -104,7 +106,7 @@ class _Answer:
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
-        if self.size > MAX_BODY:
+        if self.size > self.max_body:
             self._refuse("answer body too large")
         self.chunks.append(body)
 
@@ -124,13 +126,14 @@ class _Answer:
         return self.status, chunks[0] if len(chunks) == 1 else b"".join(chunks), keep
 
 
-async def read_answer(source: _Source) -> tuple[int, bytes, bool]:
-    """The final answer on ``source``: (status, body, whether the connection may be reused).
+async def read_answer(source: _Source, max_body: int | None = None) -> tuple[int, bytes, bool]:
+    """The final answer on ``source``: (status, body, whether the connection may be reused); a body over
+    ``max_body`` bytes (default :data:`MAX_BODY`) is a violation.
 
     Raises :class:`ProtocolViolation` for a malformed answer and :class:`ConnectionLost` when the server
     closes before the answer is complete (``answered`` once any byte of it arrived).
     """
-    answer = _Answer()
+    answer = _Answer(max_body)
     assert answer.parser is not None
     feed = answer.parser.feed_data
     head_bytes = 0
