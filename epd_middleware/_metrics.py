@@ -157,6 +157,8 @@ class _PoolMetrics:
             self.call_seconds,
             self.failovers,
             self.foreign_answers,
+            self.failures,
+            self.ejection_checks,
             self.healthy,
             self.model_ok,
             self.in_flight,
@@ -271,12 +273,12 @@ class Stats:
 
     def blame(self, role: str, server: str, blame: str) -> None:
         self.counters[f"{role}_failures_blamed_{blame}"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].failures, server, blame).inc()
 
     def ejection_check(self, role: str, server: str, result: str) -> None:
         self.counters[f"{role}_ejections_{result}"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].ejection_checks, server, result).inc()
 
     def foreign_answer(self, role: str, server: str) -> None:

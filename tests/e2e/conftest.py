@@ -81,7 +81,8 @@ class MooncakeDeployment:
     single: lab.VLLMServer
     encoders: list[lab.VLLMServer]
     pd: lab.VLLMServer  # plugin, both encoders, the lab's V1-runner shim
-    # plugin, without the shim, push_wait_timeout_s short: the negative control for the shim
+    # plugin, without the shim, push_wait_timeout_s short: the negative control for the shim; and
+    # on_encoder_failure=local, which a Mooncake consumer cannot honour
     pd_without_shim: lab.VLLMServer
 
     @property
@@ -135,6 +136,9 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeplo
             connector="mooncake",
             shim=False,
             push_wait=MOONCAKE_PUSH_WAIT,
+            # What the seed's operator would try: local fallback on a Mooncake consumer, which vLLM
+            # cannot do (issue 29, item 2): a known problem, and an error at once when no encoder is left.
+            extra_env={"EPD_ON_ENCODER_FAILURE": "local"},
         ),
     )
     _start(deployment.all)

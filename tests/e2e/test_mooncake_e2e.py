@@ -27,7 +27,7 @@ from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
 from epd_lab.v1_runner_shim import EMPTY_STEP_LINE, LOADED_LINE
 
 from .conftest import MOONCAKE_PUSH_WAIT, MooncakeDeployment
-from .test_vllm_e2e import REPORT, assert_same, chat, planned_calls, record, served_requests
+from .test_vllm_e2e import REPORT, assert_same, chat, chat_calls, planned_calls, record, served_requests
 
 pytestmark = pytest.mark.e2e
 
@@ -141,7 +141,7 @@ def test_mooncake_on_the_v1_runner_is_named_at_start_up_and_on_the_status_page(
     for server in (mooncake.pd, mooncake.pd_without_shim):
         page = status(server)
         assert page["model_runner"] == "v1"
-        [problem] = page["known_problems"]
+        problem = page["known_problems"][0]
         assert "ECMooncakeConnector on the V1 model runner" in problem
         log = server.log_path.read_text(errors="replace")
         assert "WARNING" in log
@@ -203,3 +203,77 @@ def test_mooncake_killing_one_encoder_mid_run_loses_no_request(mooncake: Mooncak
         assert_same(response, baseline)
         assert len(settle_log(mooncake.pd, before + 1)) == before + 1
     assert not mooncake.encoders[1].alive()
+
+
+def test_mooncake_bad_media_gets_vllms_own_answer_and_keeps_both_encoders(
+    mooncake: MooncakeDeployment,
+) -> None:
+    """Issue 29, item 1, on the seed's connector: a data URL that is not base64, three times; each is
+    answered as the single instance answers it, after one encoder call, and no encoder is blamed."""
+    bad = seed_request(MODEL, images=["data:image/png,not-base64"])
+    baseline = chat(mooncake.single, bad)
+    assert baseline.status_code == 501, baseline.text
+    served = [chat_calls(server) for server in mooncake.encoders]
+    for _ in range(3):
+        response = chat(mooncake.pd, bad)
+        record("Mooncake PD, a non-base64 data URL", response)
+        assert (response.status_code, response.json()) == (baseline.status_code, baseline.json())
+    after = [chat_calls(server) for server in mooncake.encoders]
+    assert sum(after) - sum(served) == 3  # one call each, not one per encoder
+    for url, state in status(mooncake.pd)["encoders"].items():
+        assert state["healthy"], (url, state)
+        assert state["consecutive_failures"] == 0
+
+
+def test_mooncake_the_canary_encode_is_answered_by_a_real_encoder_without_a_push(
+    mooncake: MooncakeDeployment,
+) -> None:
+    """The call that confirms an ejection (epd_middleware._canary) carries no push address: a real
+    Mooncake producer encodes it, reports its handle, and pushes nothing to anyone."""
+    from epd_middleware._canary import canary
+
+    attempt = canary(MODEL, None)()
+    body = (
+        b"".join(bytes(piece) for piece in attempt.body) if isinstance(attempt.body, list) else attempt.body
+    )
+    before = len(pushed_loads(mooncake.pd))
+    reply = httpx.post(
+        f"{mooncake.encoders[0].url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    attempt.read(mooncake.encoders[0].url, reply.json())  # a handle for the canary image
+    time.sleep(1)
+    assert len(pushed_loads(mooncake.pd)) == before
+
+
+def test_mooncake_with_every_encoder_down_the_client_gets_the_middlewares_error_inside_the_push_wait(
+    mooncake: MooncakeDeployment,
+) -> None:
+    """Issue 29, item 2: under on_encoder_failure=local a Mooncake consumer would have been handed the
+    raw image, waited the whole push wait for a push nobody asked for and answered a bare 500 (seen on
+    this build: 500 after 10.1 s with a 10 s wait). Its engine cannot encode: the middleware answers
+    at once, naming the encoders' failure. Runs last: it kills the encoders."""
+    for encoder in mooncake.encoders:
+        if encoder.alive():
+            encoder.kill()
+    page = status(mooncake.pd_without_shim)
+    assert any(
+        problem.startswith("on_encoder_failure=local cannot work here") for problem in page["known_problems"]
+    )
+    for index in range(3):
+        body = seed_request(MODEL, images=[seed_image(shift=500 + index)])
+        started = time.perf_counter()
+        response = chat(mooncake.pd_without_shim, body)
+        elapsed = time.perf_counter() - started
+        record(f"Mooncake PD, every encoder down, request {index}", response)
+        assert response.status_code in (502, 503), response.text
+        message = response.json()["error"]["message"]
+        assert message.startswith(("an encoder failed", "every encoder is failing")), message
+        assert elapsed < MOONCAKE_PUSH_WAIT / 2, elapsed
+    counters = status(mooncake.pd_without_shim)["counters"]
+    assert counters.get("engine_retries_skipped_after_push_wait", 0) == 1  # the negative control's, only
+    log = mooncake.pd_without_shim.log_path.read_text(errors="replace")
+    assert "left to the local engine" not in log

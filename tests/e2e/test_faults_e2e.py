@@ -1,0 +1,141 @@
+"""Issue 29 on real vLLM: one client's bad media takes no encoder from another client, and a client
+reference removed while its request is prepared never reaches the engine (which keeps serving).
+
+The PD under test is the plugin deployment with two real encoders (ECExampleConnector, shared storage),
+compared with the single instance of the same tiny model: bad requests get the single instance's answer,
+good ones its output.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from epd_lab.seed import seed_image, seed_request
+
+from .conftest import Deployment
+from .test_vllm_e2e import AUTH, MODEL, assert_same, chat, chat_calls, encode_directly, record
+
+pytestmark = pytest.mark.e2e
+
+NOT_BASE64 = "data:image/png,not-base64-at-all"
+UNRESOLVABLE = "http://images.nope.invalid/cat.png"
+
+
+def status(server: Any) -> dict[str, Any]:
+    reply: dict[str, Any] = httpx.get(f"{server.url}/epd/status", headers=AUTH, timeout=30).json()
+    return reply
+
+
+def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deployment: Deployment) -> None:
+    """Before: each bad request failed over to the other encoder and counted a failure on both; 3 such
+    requests ejected both, and the next honest request got 503 where a single instance answers it."""
+    bad_bodies = {
+        "non-base64 data URL": seed_request(MODEL, images=[NOT_BASE64]),
+        "unresolvable image host": seed_request(MODEL, images=[UNRESOLVABLE]),
+    }
+    single_answers = {name: chat(deployment.single, body) for name, body in bad_bodies.items()}
+    assert single_answers["non-base64 data URL"].status_code == 501
+    assert single_answers["unresolvable image host"].status_code == 500
+    honest = [seed_request(MODEL, images=[seed_image(shift=700 + i)]) for i in range(6)]
+    baselines = [chat(deployment.single, body) for body in honest]
+    calls_before = sum(chat_calls(server) for server in deployment.encoders)
+    attacks: list[tuple[str, int, dict[str, Any]]] = []
+    stop = threading.Event()
+
+    def attacker() -> None:
+        while not stop.is_set():
+            for name, body in bad_bodies.items():
+                response = chat(deployment.pd, body, AUTH)
+                attacks.append((name, response.status_code, response.json()))
+
+    thread = threading.Thread(target=attacker, daemon=True)
+    thread.start()
+    try:
+        for body, baseline in zip(honest, baselines, strict=True):
+            response = chat(deployment.pd, body, AUTH)
+            record("honest client beside an attacker", response, baseline)
+            assert_same(response, baseline)
+        while len(attacks) < 6:  # at least 3 of each kind, as in the attack that emptied the pool
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        thread.join(timeout=120)
+    for name, code, answer in attacks:
+        expected = single_answers[name]
+        assert (code, answer) == (expected.status_code, expected.json()), name
+    page = status(deployment.pd)
+    for url in (server.url for server in deployment.encoders):
+        state = page["encoders"][url]
+        assert state["healthy"], (url, state)
+        assert state["consecutive_failures"] == 0
+    blamed = sum(state["failures_by_blame"].get("request", 0) for state in page["encoders"].values())
+    assert blamed >= len(attacks)
+    # One encoder call per bad request, not one per encoder.
+    calls = sum(chat_calls(server) for server in deployment.encoders) - calls_before
+    assert calls == len(attacks) + len(honest)
+
+
+class _SlowImage(BaseHTTPRequestHandler):
+    """Serves the seed image a second after it is asked for, and at that moment removes the embedding
+    the request's client reference names (a cleanup during a slow sibling call)."""
+
+    image: bytes = b""
+    remove: Path | None = None
+    asked = threading.Event()
+
+    def do_GET(self) -> None:
+        if self.remove is not None:
+            shutil.rmtree(self.remove, ignore_errors=True)
+        type(self).asked.set()
+        time.sleep(1.0)
+        self.send_response(200)
+        self.send_header("content-type", "image/png")
+        self.send_header("content-length", str(len(self.image)))
+        self.end_headers()
+        self.wfile.write(self.image)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_client_reference_removed_while_its_request_is_prepared_is_refused_and_the_engine_lives(
+    deployment: Deployment,
+) -> None:
+    """Before: references were checked once, before the encoder calls; one removed during a slow call
+    reached the engine, whose core died on it."""
+    import base64
+
+    uuid = "e2e-reference-removed-mid-request"
+    reply = encode_directly(deployment, seed_image(shift=811), uuid, None)
+    [(mm_hash, entry)] = reply["ec_transfer_params"].items()
+    assert (deployment.storage / mm_hash).is_dir()
+    _SlowImage.image = base64.b64decode(seed_image(shift=812).split(",", 1)[1])
+    _SlowImage.remove = deployment.storage / mm_hash
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowImage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        body = seed_request(MODEL, images=[f"http://127.0.0.1:{server.server_port}/slow.png"])
+        body["messages"][0]["content"].insert(
+            0, {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": uuid}
+        )
+        response = chat(deployment.pd, body, AUTH)
+    finally:
+        server.shutdown()
+    record("client reference removed mid-request", response)
+    assert _SlowImage.asked.is_set()  # the sibling call was under way when it went
+    assert response.status_code == 400, response.text
+    assert "no longer has" in response.json()["error"]["message"]
+    # The engine keeps serving.
+    body = seed_request(MODEL, images=[seed_image(shift=813)])
+    baseline = chat(deployment.single, body)
+    after = chat(deployment.pd, body, AUTH)
+    record("E + PD after a reference removed mid-request", after, baseline)
+    assert_same(after, baseline)
