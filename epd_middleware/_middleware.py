@@ -11,16 +11,18 @@ import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
-from ._asgi import first_header, route_path, send_error, send_json
+from ._asgi import first_header, replay, route_path, send_error, send_json
 from ._exchange import Exchange
 from ._llmd import SCHEDULER_HEADERS
 from ._logs import adopt_vllm_logging, logger
 from ._pipeline import Pipeline
 from ._probes import probe_forever
+from ._protocol import MEDIA_ROUTES
+from ._raw_media import refusal
 from ._status import status_page
 from ._surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .config import EPDConfig, EPDOptions
-from .errors import StartupFailed, Unauthorized
+from .errors import BodyTooLarge, StartupFailed, Unauthorized
 from .host import Host
 from .transport import HTTPClient, HttpxTransport, Transport
 
@@ -75,6 +77,8 @@ class EPDMiddleware:
             **{path: openai_responses.SURFACE for path in config.responses_paths},
         }
         self._status_path = config.status_path
+        # The routes vLLM may run media on that this middleware does not intercept.
+        self._media_elsewhere_routes = MEDIA_ROUTES - self._surfaces.keys()
         self._pipeline = Pipeline(config)
         self._transports = _Transports(
             HttpxTransport(http_client) if http_client is not None else transport, config
@@ -110,6 +114,15 @@ class EPDMiddleware:
             await exchange.run()
         elif scope["type"] == "http" and self._status_path and route_path(scope) == self._status_path:
             await self._status(scope, send)
+        elif (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and route_path(scope) in self._media_elsewhere_routes
+            and (host := self._hosts.of(scope)).local_encoding_blocker is not None
+            # Whom vLLM refuses, it refuses first (401), before anything is read.
+            and host.authorizes(scope["headers"])
+        ):
+            await self._media_elsewhere(scope, receive, send, host.local_encoding_blocker)
         elif scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
         else:
@@ -125,6 +138,27 @@ class EPDMiddleware:
         if content_type is None or content_type.lower().split(b";", 1)[0] != _JSON:
             return None
         return surface
+
+    async def _media_elsewhere(self, scope: Scope, receive: Receive, send: Send, blocker: str) -> None:
+        """A route vLLM may run media on, not intercepted here, on a server whose engine cannot encode
+        it (:mod:`._raw_media`): refused when it carries media, else passed on as it came."""
+        body, more = b"", True
+        limit = self.config.max_body_bytes
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                await send_error(send, BodyTooLarge(limit))
+                return
+        refused = refusal(route_path(scope), first_header(scope["headers"], b"content-type"), body, blocker)
+        if refused is not None:
+            self._pipeline.stats.request("media_refused_elsewhere")
+            await send_error(send, refused)
+            return
+        await self.app(scope, replay(body, receive), send)
 
     async def _status(self, scope: Scope, send: Send) -> None:
         """GET the status page: encoders, their health and load, counters. Behind the API keys."""

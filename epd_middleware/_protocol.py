@@ -77,6 +77,38 @@ CHAT_BATCH_PATH: Final = "/v1/chat/completions/batch"
 MESSAGES_PATH: Final = "/v1/messages"
 RESPONSES_PATH: Final = "/v1/responses"
 
+# vLLM's other routes that run the engine on media a request carries (0.32: pooling, scoring, Cohere's
+# API, audio transcription; ``entrypoints/pooling/``, ``entrypoints/cohere/``, ``entrypoints/openai/
+# speech_to_text/``), and the surfaces' own when a deployment does not intercept them. On a server whose
+# engine cannot encode media (a Mooncake consumer) media there is refused (:mod:`._raw_media`).
+MEDIA_ROUTES: Final[frozenset[str]] = frozenset(
+    {
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v2/embed",
+        "/cohere/v2/chat",
+        "/generative_scoring",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        CHAT_COMPLETIONS_PATH,
+        CHAT_BATCH_PATH,
+        MESSAGES_PATH,
+        RESPONSES_PATH,
+        "/invocations",
+    }
+)
+# Keys under which those routes take media (besides data URLs anywhere): content parts, their
+# references, and Cohere's list of images.
+MEDIA_KEYS: Final[frozenset[str]] = frozenset(
+    {*MEDIA_PARTS, *EMBEDS_PARTS, "image_pil", "images", "audio_url", "video_url"}
+)
+
 MODEL: Final = "model"
 MESSAGES: Final = "messages"
 CONTENT: Final = "content"

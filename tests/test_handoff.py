@@ -5,8 +5,10 @@ prepared, never a client's own transfer parameters. Each test failed on the code
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -214,3 +216,95 @@ async def test_a_clients_transfer_parameters_are_dropped_where_nothing_is_encode
     body = chat_body(reference(identifier), ec_transfer_params={"consumer_zmq": "tcp://203.0.113.9:1"})
     assert (await post(app, body)).status_code == 200
     assert "ec_transfer_params" not in engine.received[0].json
+
+
+# --- item 2, every other path: media on routes the middleware does not intercept -----------------------
+
+
+def guarded_app(engine: FakeEngine, **options: Any) -> Any:
+    from .test_hostile_clients import recording_route
+
+    app = engine.app()
+    for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/v2/embed", "/pooling"):
+        app.router.routes.append(recording_route(engine, path))
+    app.add_middleware(
+        EPDMiddleware, encoders=[E0], host=mooncake_consumer(), health_check_interval=0, **options
+    )
+    return app
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/embeddings", {"model": "m", "messages": [{"role": "user", "content": [image(png(1))]}]}),
+        ("/v2/embed", {"model": "m", "images": ["data:image/png;base64,AAAA"], "input_type": "image"}),
+        (
+            "/pooling",
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+                        ],
+                    }
+                ],
+            },
+        ),
+        # Escaped, and the scheme in another case: vLLM reads both.
+        ("/v1/embeddings", b'{"model": "m", "input": [{"\\u0069mage_url": {"url": "x"}}]}'),
+        ("/pooling", {"model": "m", "x": [{"y": "DaTa:image/png;base64,AAAA"}]}),
+    ],
+)
+async def test_on_a_mooncake_consumer_media_on_a_route_not_intercepted_is_refused_at_once(
+    path: str, body: Any
+) -> None:
+    """Before: passed to the engine, which waited the whole push wait for a push nobody asked for."""
+    engine = FakeEngine()
+    response = await post(guarded_app(engine), body, path)
+    assert response.status_code == 501
+    assert "cannot take media on this server" in response.json()["error"]["message"]
+    assert engine.received == []
+
+
+async def test_on_a_mooncake_consumer_an_audio_upload_for_transcription_is_refused() -> None:
+    engine = FakeEngine()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded_app(engine))) as client:
+        response = await client.post(
+            "http://pd/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF....", "audio/wav")}
+        )
+    assert response.status_code == 501
+    assert engine.received == []
+
+
+async def test_text_on_those_routes_and_media_elsewhere_pass_untouched() -> None:
+    engine = FakeEngine()
+    app = guarded_app(engine)
+    text = b'{"model": "m", "input": ["a sentence about data: and images"]}'
+    assert (await post(app, text, "/v1/embeddings")).status_code == 200
+    assert engine.received[-1].body == text
+    # A server that can encode (ECExampleConnector) takes media there as vLLM does.
+    plain = FakeEngine()
+    other = plain.app()
+    from .test_hostile_clients import recording_route
+
+    other.router.routes.append(recording_route(plain, "/v1/embeddings"))
+    other.add_middleware(EPDMiddleware, encoders=[E0], health_check_interval=0)
+    media = {"model": "m", "messages": [{"role": "user", "content": [image(png(1))]}]}
+    assert (await post(other, media, "/v1/embeddings")).status_code == 200
+
+
+async def test_a_client_vllm_would_refuse_is_not_read_here() -> None:
+    """vLLM's key check answers first: the body of an unauthorised client is not read by the guard."""
+    engine = FakeEngine()
+    host_with_key = dataclasses.replace(mooncake_consumer(), api_keys=("k",))
+    from .test_hostile_clients import recording_route
+
+    app = engine.app()
+    app.router.routes.append(recording_route(engine, "/v1/embeddings"))
+    app.add_middleware(EPDMiddleware, encoders=[E0], host=host_with_key, health_check_interval=0)
+    media = {"model": "m", "messages": [{"role": "user", "content": [image(png(1))]}]}
+    assert (await post(app, media, "/v1/embeddings")).status_code == 200  # the app's to refuse
+    refused = await post(app, media, "/v1/embeddings", authorization="Bearer k")
+    assert refused.status_code == 501
