@@ -20,6 +20,7 @@ from ._encoders import EncodeJob, EncodeOutcome, encode
 from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_params
 from ._logs import logger
 from ._metrics import Stats
+from ._placement import Decision, Placement, item_tokens
 from ._plan import EncoderCall, MediaItem, media_items, plan_calls
 from ._pool import ServerPool, no_server_left
 from ._protocol import EC_ITEMS, MODEL, embedding_stored
@@ -69,12 +70,16 @@ class EncodeStage:
     pool: ServerPool
     reuse: HandleCache
     stats: Stats
+    placement: Placement
 
     async def run(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> Encoded:
         found = self._items(surface, request, context)
         reused = self._reused(surface, request, context, found)
         to_encode = tuple(item for item in found.items if (item.modality, item.uuid) not in reused.handles)
-        calls = self._plan(to_encode, context)
+        placed = self._placed(request, context, found, to_encode)
+        if placed.local:
+            to_encode = tuple(item for item in to_encode if item.modality not in placed.local)
+        calls = self._plan(to_encode, context, bool(placed.local))
         started = time.perf_counter()
         outcome = await encode(
             self.pool, context.transport, self._job(surface, request, context, found, calls)
@@ -85,7 +90,7 @@ class EncodeStage:
             self.reuse.put(reused.keys, outcome.handles)
         fallen = self._left_to_the_engine(outcome, to_encode, calls, context)
         handles = {**reused.handles, **outcome.handles}
-        fields = self._engine_fields(surface, request, context, found, reused, handles)
+        fields = self._engine_fields(surface, request, context, found, reused, handles, placed.local)
         rewritten = time.perf_counter()
         self.stats.stage("rewrite", rewritten - encoded)
         if reused.handles:
@@ -102,8 +107,23 @@ class EncodeStage:
             + f"; encode {(encoded - started) * 1000:.1f} ms"
             + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
             + (f"; {fallen} left to the local engine" if fallen else "")
+            + "".join(f"; {modality} placed {where} ({why})" for modality, (where, why) in placed.why.items())
         )
         return Encoded(fields, note, pushed)
+
+    def _placed(
+        self, request: ParsedRequest, context: RequestContext, found: _Items, to_encode: tuple[MediaItem, ...]
+    ) -> Decision:
+        """Where the items still to encode are encoded, per modality (:mod:`._placement`)."""
+        placement, host = self.placement, context.host
+        tokens = (
+            item_tokens(request.media, found.uuids, request.fields, host.vision_token_side)
+            if placement.policy.mode == "adaptive" and to_encode
+            else {}
+        )
+        route = context.route.encoders
+        encoders = route or self.pool.available(anyio.current_time())
+        return placement.decide(to_encode, tokens, host, encoders)
 
     def _items(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> _Items:
         items, uuids = media_items(
@@ -146,11 +166,14 @@ class EncodeStage:
             return _Reused({}, keys)
         return _Reused(self.reuse.take(keys, storage, found.expected), keys)
 
-    def _plan(self, to_encode: tuple[MediaItem, ...], context: RequestContext) -> tuple[EncoderCall, ...]:
+    def _plan(
+        self, to_encode: tuple[MediaItem, ...], context: RequestContext, placed_here: bool
+    ) -> tuple[EncoderCall, ...]:
         """The calls for the items still to encode; none when no encoder is available and the policy
         leaves them to the engine."""
         local = self._local(context)
-        choices, source = self._choose(to_encode, context.route) if to_encode else ([], "reuse")
+        nothing_left = "local" if placed_here else "reuse"
+        choices, source = self._choose(to_encode, context.route) if to_encode else ([], nothing_left)
         if to_encode and not choices and not local:
             raise no_server_left(self.pool, "encoder", self.config.retry_after)
         self.stats.encoder_source(source if choices or not to_encode else "local")
@@ -239,13 +262,14 @@ class EncodeStage:
         found: _Items,
         reused: _Reused,
         handles: dict[ItemKey, Handle],
+        placed_here: frozenset[str],
     ) -> dict[str, Any]:
         """The engine request: each part a reference to its embedding where the surface rewrites and
-        every part of its modality can be one, else raw with its uuid pinned; the handles in
-        ``ec_transfer_params`` (and ``ec_items`` for Mooncake push)."""
+        every part of its modality can be one, else raw with its uuid pinned (a modality placed here
+        stays raw whole); the handles in ``ec_transfer_params`` (and ``ec_items`` for Mooncake push)."""
         keys = [(part.modality, uuid) for part, uuid in zip(request.media, found.uuids, strict=True)]
         rewrite = self.config.rewrite and surface.rewrites
-        keep_raw = request.referenced_modalities
+        keep_raw = request.referenced_modalities | placed_here
         if rewrite:
             keep_raw = keep_raw | self._unconfirmed(handles, found.expected, context, reused.keys)
         metadata = part_metadata(keys, handles, rewrite=rewrite, keep_raw=keep_raw)

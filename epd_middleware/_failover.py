@@ -107,7 +107,9 @@ async def call(
                 "%s%s", failure.logged, f"; retrying on {server}" if server else f"; no {role} left to try"
             )
             continue
-        stats.call(role, label, "ok", time.perf_counter() - started)
+        took = time.perf_counter() - started
+        stats.call(role, label, "ok", took)
+        pool.record_latency(server, took)
         pool.record_success(server)
         return result
     assert last is not None

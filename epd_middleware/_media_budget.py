@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from ._rawjson import Raw, raw_text
 from ._surfaces import MediaPart
 
-__all__ = ["decoded_image_bytes", "known_decoded_bytes"]
+__all__ = ["decoded_image_bytes", "image_size", "known_decoded_bytes"]
 
 _DATA = b"data:"
 # vLLM decodes what follows the first comma when the media type before it ends in ";base64" (its text
@@ -51,6 +51,12 @@ def known_decoded_bytes(media: Sequence[MediaPart]) -> int:
 
 def decoded_image_bytes(url: str | Raw) -> int | None:
     """``width * height * 4`` of an inline image whose header says its size; None when not known."""
+    size = image_size(url)
+    return size[0] * size[1] * 4 if size is not None else None
+
+
+def image_size(url: str | Raw) -> tuple[int, int] | None:
+    """``(width, height)`` of an inline image whose header says its size; None when not known."""
     payload = _base64_payload(url)
     if payload is None:
         return None
@@ -63,8 +69,7 @@ def decoded_image_bytes(url: str | Raw) -> int | None:
             continue  # a JPEG whose frame header lies past this prefix
         if found is None or found is _MORE:
             return None
-        width, height = found
-        return width * height * 4
+        return found
     return None
 
 

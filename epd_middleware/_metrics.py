@@ -87,6 +87,13 @@ class _Prometheus:
             "Lookups of the pools' dns+http:// names, by role and outcome (ok, failed).",
             ["role", "outcome"],
         )
+        self.placements = prom.Counter(
+            "epd_placement",
+            "Placement decisions, one per modality of a request with media to encode: where (local: the "
+            "local engine encodes it; remote: an encoder) and why (policy, small, encoders_saturated, "
+            "pd_busy, pd_load_unknown, pd_cannot_encode, large, size_unknown).",
+            ["where", "why"],
+        )
         self.pool_members = prom.Gauge(
             "epd_pool_members",
             "Servers in a pool now (static URLs plus DNS answers), by role.",
@@ -285,6 +292,11 @@ class Stats:
         self.counters[f"{role}_foreign_answers"] += 1
         if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].foreign_answers, server).inc()
+
+    def placement(self, where: str, why: str) -> None:
+        self.counters[f"placement_{where}_{why}"] += 1
+        if self._prom is not None:
+            self._child(self._prom.placements, where, why).inc()
 
     def encoder_source(self, source: str) -> None:
         self.counters[f"encoders_chosen_by_{source}"] += 1

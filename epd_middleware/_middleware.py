@@ -6,6 +6,8 @@ is an :class:`~epd_middleware._exchange.Exchange`; what it means is :mod:`epd_mi
 
 from __future__ import annotations
 
+from functools import partial
+
 import anyio
 import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -234,7 +236,10 @@ class EPDMiddleware:
                         for discovery in self._pipeline.discoveries:
                             pools.start_soon(discovery.run)
                         for pool in (self._pipeline.encoders, self._pipeline.prefill):
-                            pools.start_soon(probe_forever, pool, transport, headers)
+                            ask_load = pool is self._pipeline.encoders and self.config.placement == "adaptive"
+                            pools.start_soon(
+                                partial(probe_forever, ask_load=ask_load), pool, transport, headers
+                            )
 
             async def receive_opening() -> Message:
                 message = await receive()

@@ -37,6 +37,7 @@ from ._discovery import Discovery
 from ._encoding import EncodeStage
 from ._logs import logger
 from ._metrics import Stats
+from ._placement import Placement, PlacementPolicy
 from ._pool import PoolPolicy, ServerPool
 from ._prefill import PrefillStage
 from ._protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
@@ -78,6 +79,7 @@ class Pipeline:
     discoveries: tuple[Discovery, Discovery] = field(init=False)
     scheduler: Scheduler | None = field(init=False, default=None)
     reuse: HandleCache = field(init=False)
+    placement: Placement = field(init=False)
     pending: int = field(init=False, default=0)
     _encode: EncodeStage = field(init=False)
     _prefill: PrefillStage = field(init=False)
@@ -101,7 +103,8 @@ class Pipeline:
                 self.stats,
                 max_encoders=config.max_media_items,
             )
-        self._encode = EncodeStage(config, self.encoders, self.reuse, self.stats)
+        self.placement = Placement(placement_policy(config), self.encoders, self.stats)
+        self._encode = EncodeStage(config, self.encoders, self.reuse, self.stats, self.placement)
         self._prefill = PrefillStage(config, self.prefill, self.stats)
 
     def _discovery(self, pool: ServerPool, urls: tuple[str, ...]) -> Discovery:
@@ -309,6 +312,17 @@ class Pipeline:
             "hits": cache.hits,
             "stale_dropped": cache.stale,
         }
+
+
+def placement_policy(config: EPDConfig) -> PlacementPolicy:
+    """What placement reads of the configuration."""
+    return PlacementPolicy(
+        mode=config.placement,
+        small_tokens=config.placement_small_tokens,
+        pd_max_load=config.placement_pd_max_load,
+        encoder_slowdown=config.placement_encoder_slowdown,
+        encoder_busy_calls=config.placement_encoder_busy_calls,
+    )
 
 
 def pool_policy(config: EPDConfig, timeout: float) -> PoolPolicy:

@@ -75,6 +75,14 @@ class Health:
     # Failed calls by who was at fault (_blame.BLAMES), and ejections the confirmation averted.
     blamed: Counter[str] = field(default_factory=Counter)
     kept: int = 0
+    # Its successful calls' recent latency (a moving average) and the fastest it has been, in seconds:
+    # how much waiting it adds now (_placement.py).
+    latency: float = 0.0
+    latency_floor: float = 0.0
+    # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
+    server_load: int | None = None
+    # False once it answered that it tracks no load: not asked again.
+    load_tracked: bool = True
 
     def problem(self, now: float) -> str | None:
         """Why the server is not healthy at ``now`` (ejected, another model, no answer about its model),
@@ -222,6 +230,12 @@ class ServerPool:
         return candidates[self.reserve(1, len(candidates)) % len(candidates)]
 
     # Health ------------------------------------------------------------------------------------------
+
+    def record_latency(self, url: str, seconds: float) -> None:
+        """A successful call's duration: the moving average (the last calls weigh most) and the floor."""
+        health = self.record(url)
+        health.latency = seconds if not health.latency else 0.8 * health.latency + 0.2 * seconds
+        health.latency_floor = min(health.latency_floor or seconds, seconds)
 
     def record_success(self, url: str) -> None:
         health = self.record(url)

@@ -6,13 +6,14 @@ server's ejection waits for after its calls failed (:func:`confirm_failing`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 
 import anyio
 
 from ._logs import logger
 from ._pool import ServerPool
-from ._protocol import CHAT_COMPLETIONS_PATH
+from ._protocol import CHAT_COMPLETIONS_PATH, LOAD_PATH, SERVER_LOAD
 from ._upstream import Attempt, post_once
 from .errors import UpstreamError
 from .transport import HTTPError, Transport, UnsendableRequest
@@ -23,13 +24,19 @@ __all__ = ["confirm_failing", "probe", "probe_forever", "proves_healthy"]
 _PROOF_HOLDS_S = 5.0
 
 
-async def probe(pool: ServerPool, transport: Transport, headers: Mapping[str, str]) -> None:
-    """GET /health on every member once, concurrently; brings recovered servers back."""
+async def probe(
+    pool: ServerPool, transport: Transport, headers: Mapping[str, str], *, ask_load: bool = False
+) -> None:
+    """GET /health on every member once, concurrently; brings recovered servers back. ``ask_load``: and
+    ``GET /load`` of each healthy one (vLLM's load under ``--enable-server-load-tracking``), for
+    placement; a server that does not track its load is not asked again."""
 
     async def one(url: str) -> None:
         problem = await _health_problem(pool, transport, url, headers)
         if problem is None:
             pool.record_success(url)
+            if ask_load:
+                await _ask_load(pool, transport, url, headers)
         else:
             pool.record_failure(url, anyio.current_time(), problem)
 
@@ -38,6 +45,25 @@ async def probe(pool: ServerPool, transport: Transport, headers: Mapping[str, st
             group.start_soon(one, url)
     if pool.models.expectation is not None:
         await pool.models.check(transport, (), headers, recheck=True)
+
+
+async def _ask_load(pool: ServerPool, transport: Transport, url: str, headers: Mapping[str, str]) -> None:
+    health = pool.record(url)
+    if not health.load_tracked:
+        return
+    try:
+        with anyio.fail_after(pool.policy.health_check_timeout):
+            status, content = await transport.request("GET", f"{url}{LOAD_PATH}", headers=headers)
+        load = json.loads(content).get(SERVER_LOAD) if status == 200 else None
+    except Exception:  # a load a server cannot tell is simply not known; its health said the rest
+        load = None
+        status = 0
+    if isinstance(load, int) and not isinstance(load, bool) and load >= 0:
+        health.server_load = load
+    else:
+        health.server_load = None
+        # vLLM without --enable-server-load-tracking answers 404: not asked again.
+        health.load_tracked = status != 404
 
 
 async def _health_problem(
@@ -128,11 +154,13 @@ async def _canary_problem(
     return None
 
 
-async def probe_forever(pool: ServerPool, transport: Transport, headers: Mapping[str, str]) -> None:
+async def probe_forever(
+    pool: ServerPool, transport: Transport, headers: Mapping[str, str], *, ask_load: bool = False
+) -> None:
     interval = pool.policy.health_check_interval
     if interval <= 0:
         return
     while True:
         await anyio.sleep(interval)
         if pool.members:
-            await probe(pool, transport, headers)
+            await probe(pool, transport, headers, ask_load=ask_load)

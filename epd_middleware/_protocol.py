@@ -109,7 +109,13 @@ MEDIA_KEYS: Final[frozenset[str]] = frozenset(
     {*MEDIA_PARTS, *EMBEDS_PARTS, "image_pil", "images", "audio_url", "video_url"}
 )
 
+# vLLM's server load (``entrypoints/serve/instrumentator/basic.py``, ``--enable-server-load-tracking``):
+# GET /load answers {"server_load": <requests in progress>}.
+LOAD_PATH: Final = "/load"
+SERVER_LOAD: Final = "server_load"
+
 MODEL: Final = "model"
+MM_PROCESSOR_KWARGS: Final = "mm_processor_kwargs"
 MESSAGES: Final = "messages"
 CONTENT: Final = "content"
 TYPE: Final = "type"

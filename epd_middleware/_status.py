@@ -35,6 +35,7 @@ def status_page(pipeline: Pipeline, host: Host) -> dict[str, Any]:
         "model_runner": host.model_runner,
         "known_problems": host.known_problems,
         "handle_reuse": pipeline.reuse_status(host),
+        "placement": pipeline.placement.status(host),
         "config": pipeline.config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
     }
 

@@ -177,6 +177,45 @@ class EPDConfig(BaseModel):
             "to the local engine as the original media, which encodes it itself."
         ),
     )
+    placement: Literal["remote", "local", "adaptive"] = Field(
+        default="remote",
+        description=(
+            "Where media is encoded: 'remote' on the encoders; 'local' by the local engine (no encoder "
+            "is called: for comparison, or to drain encoders); 'adaptive' per request and modality, "
+            "locally when PD has headroom and the items are small or every encoder is saturated. Never "
+            "locally where PD cannot encode (a Mooncake consumer)."
+        ),
+    )
+    placement_small_tokens: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "adaptive: a modality whose items to encode come to at most this many vision tokens (from "
+            "the images' sizes) is encoded locally while PD has headroom. 0: never for size alone."
+        ),
+    )
+    placement_pd_max_load: int = Field(
+        default=4,
+        ge=0,
+        description=(
+            "adaptive: PD has headroom while its engine has fewer unfinished requests than this (0: never)."
+        ),
+    )
+    placement_encoder_slowdown: float = Field(
+        default=3.0,
+        gt=1,
+        description=(
+            "adaptive: an encoder is saturated when its recent call latency is this many times its fastest."
+        ),
+    )
+    placement_encoder_busy_calls: int = Field(
+        default=16,
+        ge=1,
+        description=(
+            "adaptive: an encoder is saturated, too, with this many calls in flight from this process, "
+            "or this load reported by its GET /load (vLLM's --enable-server-load-tracking)."
+        ),
+    )
     eject_after: int = Field(
         default=3,
         ge=1,
@@ -669,6 +708,11 @@ class EPDOptions(TypedDict, total=False):
     encode_deadline: float
     max_attempts: int
     on_encoder_failure: Literal["error", "local"]
+    placement: Literal["remote", "local", "adaptive"]
+    placement_small_tokens: int
+    placement_pd_max_load: int
+    placement_encoder_slowdown: float
+    placement_encoder_busy_calls: int
     eject_after: int
     eject_cooldown: float
     max_eject_cooldown: float

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,13 @@ class Host:
     # What is done with media no encoder could take (the on_encoder_failure option): "local" leaves it
     # to this server's engine, which only some servers can do (local_encoding_blocker).
     on_encoder_failure: str = "error"
+    # Where media is encoded (the placement option): "local" and "adaptive" leave some to this engine.
+    placement: str = "remote"
+    # The requests the local engine has unfinished, asked when a placement is decided; None: not known.
+    engine_load: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    # Pixels per side of one vision token of the served model (patch size x spatial merge), for estimating
+    # a request's vision tokens from its images' sizes.
+    vision_token_side: int = 28
     _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _next_rank: int = field(init=False, default=0, repr=False, compare=False)
 
@@ -99,6 +106,7 @@ class Host:
             push=_consumer_option(config),
             expectation=_expected_model(config),
             on_encoder_failure=config.on_encoder_failure,
+            placement=config.placement,
         )
 
     @classmethod
@@ -110,7 +118,9 @@ class Host:
         vllm_config = getattr(state, "vllm_config", None)
         if vllm_config is None:
             return None
-        return cls.of_vllm(vllm_config, args if args is not None else getattr(state, "args", None), config)
+        host = cls.of_vllm(vllm_config, args if args is not None else getattr(state, "args", None), config)
+        host.engine_load = _engine_load(state)
+        return host
 
     @classmethod
     def of_vllm(cls, vllm_config: object, args: object = None, config: EPDConfig | None = None) -> Host:
@@ -146,6 +156,8 @@ class Host:
             push_wait_s=_push_wait(ec),
             media_decode_budget=_media_decode_budget(),
             on_encoder_failure=config.on_encoder_failure if config else "error",
+            placement=config.placement if config else "remote",
+            vision_token_side=_vision_token_side(vllm_config),
         )
         if config is not None:
             host._announce(config)
@@ -185,6 +197,11 @@ class Host:
                 "ECExampleConnector; see docs/topologies.md#the-v1-runner-bug"
             )
         blocker = self.local_encoding_blocker
+        if self.placement != "remote" and blocker is not None:
+            problems.append(
+                f"placement={self.placement} cannot encode anything here: {blocker}. Every item goes to "
+                "an encoder (as placement=remote); see docs/performance.md#placement-remote-local-adaptive"
+            )
         if self.on_encoder_failure == "local" and blocker is not None:
             problems.append(
                 f"on_encoder_failure=local cannot work here: {blocker}. Media no encoder could take is "
@@ -208,6 +225,16 @@ class Host:
             "this server is an ECMooncakeConnector consumer, whose engine encodes no media itself: it "
             f"waits for a push of every image, audio or video ({wait}) and then fails"
         )
+
+    def unfinished_requests(self) -> int | None:
+        """The requests the local engine has unfinished now (its load), or None where not known."""
+        if self.engine_load is None:
+            return None
+        try:
+            load = self.engine_load()
+        except Exception:  # an engine client in a state vLLM itself would not answer from
+            return None
+        return load if isinstance(load, int) else None
 
     @property
     def kv_consumer(self) -> bool:
@@ -425,3 +452,24 @@ def _media_policy(vllm_config: object) -> MediaPolicy:
     local = getattr(model_config, "allowed_local_media_path", None) or ""
     root = Path(local).resolve() if isinstance(local, str) and local else None
     return MediaPolicy(tuple(str(domain) for domain in domains), root)
+
+
+def _engine_load(state: object) -> Callable[[], int] | None:
+    """How many requests the engine has unfinished: vLLM's engine client on the app's state
+    (``AsyncLLM.get_num_unfinished_requests``, ``v1/engine/async_llm.py``), this API server's own."""
+    client = getattr(state, "engine_client", None)
+    load = getattr(client, "get_num_unfinished_requests", None)
+    return load if callable(load) else None
+
+
+def _vision_token_side(vllm_config: object) -> int:
+    """Pixels per side of one vision token: the vision tower's ``patch_size`` x ``spatial_merge_size``
+    (``model_config.hf_config.vision_config``; Qwen2-VL and Qwen2.5-VL: 14 x 2); 28 when not said."""
+    vision = getattr(
+        getattr(getattr(vllm_config, "model_config", None), "hf_config", None), "vision_config", None
+    )
+    patch = getattr(vision, "patch_size", None)
+    merge = getattr(vision, "spatial_merge_size", 1)
+    if isinstance(patch, int) and isinstance(merge, int) and patch > 0 and merge > 0:
+        return patch * merge
+    return 28

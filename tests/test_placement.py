@@ -1,0 +1,260 @@
+"""Placement (issue 30): where each modality of a request is encoded, here or on an encoder, by the
+``placement`` option and, under ``adaptive``, by the request's size, PD's own load and the encoders'.
+Below the ASGI layer against a pool and a Host, then through the middleware with fake encoders."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from typing import Any
+
+import httpx
+import pytest
+
+from epd_middleware import EPDMiddleware, Host
+from epd_middleware._placement import Placement, PlacementPolicy, item_tokens, vision_tokens
+from epd_middleware._plan import MediaItem
+from epd_middleware._pool import PoolPolicy, ServerPool
+from epd_middleware._probes import probe
+from epd_middleware.host import MooncakeConsumers
+from epd_middleware.transport import HttpxTransport
+
+from .fakes import FakeEncoders, FakeEngine, audio, chat_body
+from .test_middleware import E0, E1, media_parts, png, post
+
+pytestmark = pytest.mark.anyio
+
+
+def png_of(width: int, height: int) -> str:
+    """A data URL of a PNG whose header says ``width`` x ``height`` (its pixels are never read here)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    head = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    data = b"\x89PNG\r\n\x1a\n" + head + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def picture(width: int, height: int) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": png_of(width, height)}}
+
+
+# --- the size of a request --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "tokens"),
+    # placement-costs.md's Qwen2.5-VL figures (HF smart_resize, factor 28).
+    [(448, 448, 256), (1280, 720, 1196), (1024, 1024, 1369), (1920, 1080, 2691), (10, 10, 4)],
+)
+def test_vision_tokens_follow_qwen2_vls_resize(width: int, height: int, tokens: int) -> None:
+    assert vision_tokens(width, height, 28, 56 * 56, 28 * 28 * 16384) == tokens
+
+
+def test_a_requests_pixel_bounds_change_its_tokens() -> None:
+    class Part:
+        modality = "image"
+        url = png_of(1920, 1080)
+
+    fields = {"mm_processor_kwargs": {"max_pixels": 256 * 28 * 28}}
+    assert item_tokens([Part()], ["u"], fields, 28) == {("image", "u"): 252}  # type: ignore[list-item]
+    assert item_tokens([Part()], ["u"], {}, 28) == {("image", "u"): 2691}  # type: ignore[list-item]
+
+
+# --- the decision, below the ASGI layer ----------------------------------------------------------------
+
+
+def placement(mode: str, **thresholds: Any) -> tuple[Placement, ServerPool]:
+    pool = ServerPool("encoder", PoolPolicy(5.0))
+    pool.set_members([E0, E1])
+    thresholds.setdefault("small_tokens", 300)
+    return Placement(PlacementPolicy(mode=mode, **thresholds), pool, pool.stats), pool
+
+
+IMAGE, AUDIO = MediaItem("i", "image", {}), MediaItem("a", "audio", {})
+
+
+def idle_host(load: int = 0) -> Host:
+    return Host(engine_load=lambda: load)
+
+
+def test_remote_and_local_are_fixed_whatever_the_signals() -> None:
+    remote, _ = placement("remote")
+    assert remote.decide([IMAGE], {("image", "i"): 4}, idle_host(), [E0]).local == frozenset()
+    local, _ = placement("local")
+    decision = local.decide([IMAGE, AUDIO], {}, idle_host(99), [E0])
+    assert decision.local == {"image", "audio"}
+    assert decision.why == {"image": ("local", "policy"), "audio": ("local", "policy")}
+
+
+@pytest.mark.parametrize("mode", ["local", "adaptive"])
+def test_a_mooncake_consumer_never_encodes_locally(mode: str) -> None:
+    """Its engine waits for a push of every item (mooncake/scheduler.py ensure_cache_available)."""
+    decide, _ = placement(mode)
+    host = Host(
+        ec_connector="ECMooncakeConnector",
+        ec_consumer=True,
+        push=MooncakeConsumers({0: "tcp://127.0.0.1:1"}, pin=False),
+        engine_load=lambda: 0,
+    )
+    decision = decide.decide([IMAGE], {("image", "i"): 4}, host, [E0])
+    assert decision.local == frozenset()
+    assert decision.why["image"] == ("remote", "pd_cannot_encode")
+
+
+def test_adaptive_keeps_small_items_here_while_pd_has_headroom() -> None:
+    decide, _ = placement("adaptive", small_tokens=300, pd_max_load=4)
+    small, large = {("image", "i"): 256}, {("image", "i"): 1369}
+    assert decide.decide([IMAGE], small, idle_host(3), [E0]).why["image"] == ("local", "small")
+    assert decide.decide([IMAGE], large, idle_host(0), [E0]).why["image"] == ("remote", "large")
+    assert decide.decide([IMAGE], small, idle_host(4), [E0]).why["image"] == ("remote", "pd_busy")
+    assert decide.decide([IMAGE], {("image", "i"): None}, idle_host(), [E0]).why["image"] == (
+        "remote",
+        "size_unknown",
+    )
+    assert decide.decide([IMAGE], small, Host(), [E0]).why["image"] == ("remote", "pd_load_unknown")
+    # Items of a modality add up: four small images are not small.
+    four = [MediaItem(str(n), "image", {}) for n in range(4)]
+    sizes = {("image", str(n)): 256 for n in range(4)}
+    assert decide.decide(four, sizes, idle_host(), [E0]).why["image"] == ("remote", "large")
+
+
+@pytest.mark.parametrize("signal", ["latency", "in_flight", "server_load"])
+def test_adaptive_encodes_here_when_every_encoder_it_would_use_is_saturated(signal: str) -> None:
+    decide, pool = placement("adaptive", small_tokens=0, encoder_slowdown=3.0, encoder_busy_calls=2)
+    for url in (E0, E1):
+        pool.record_latency(url, 0.010)
+    big = {("image", "i"): 5000}
+    assert decide.decide([IMAGE], big, idle_host(), [E0, E1]).why["image"] == ("remote", "large")
+
+    def saturate(url: str) -> None:
+        health = pool.record(url)
+        if signal == "latency":
+            for _ in range(20):
+                pool.record_latency(url, 0.100)
+        elif signal == "in_flight":
+            health.capacity.in_flight = 2  # two calls from this process under way
+        else:
+            health.server_load = 5
+
+    saturate(E0)  # one saturated, the other free: remote
+    assert decide.decide([IMAGE], big, idle_host(), [E0, E1]).local == frozenset()
+    saturate(E1)
+    assert decide.decide([IMAGE], big, idle_host(), [E0, E1]).why["image"] == ("local", "encoders_saturated")
+    # ... unless PD itself is busy.
+    assert decide.decide([IMAGE], big, idle_host(9), [E0, E1]).why["image"] == ("remote", "pd_busy")
+
+
+def test_adaptive_decides_per_modality() -> None:
+    decide, _ = placement("adaptive", small_tokens=300)
+    decision = decide.decide([IMAGE, AUDIO], {("image", "i"): 256, ("audio", "a"): None}, idle_host(), [E0])
+    assert decision.local == {"image"}
+    assert decision.why["audio"] == ("remote", "size_unknown")
+
+
+# --- through the middleware -----------------------------------------------------------------------------
+
+
+def app_with(encoders: FakeEncoders, engine: FakeEngine, load: int = 0, **options: Any) -> Any:
+    app = engine.app()
+    app.add_middleware(
+        EPDMiddleware,
+        encoders=encoders.urls,
+        http_client=encoders.client(),
+        host=Host(engine_load=lambda: load),
+        health_check_interval=0,
+        **options,
+    )
+    return app
+
+
+async def test_placement_local_calls_no_encoder_and_leaves_the_media_raw() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, placement="local")
+    response = await post(app, chat_body(picture(448, 448), audio(png(2))))
+    assert response.status_code == 200
+    assert encoders.calls == []
+    parts = media_parts(engine.received[0].json)
+    assert [part["type"] for part in parts] == ["image_url", "input_audio"]
+    assert all(part["uuid"] for part in parts)  # pinned: the engine hashes the uuid, as on encoders
+    assert "ec_transfer_params" not in engine.received[0].json
+
+
+async def test_adaptive_through_the_middleware_counts_logs_and_shows_its_decisions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    caplog.set_level(logging.INFO, "epd_middleware")
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, placement="adaptive", placement_small_tokens=300)
+    middleware = app.build_middleware_stack()
+    assert (await post(middleware, chat_body(picture(448, 448)))).status_code == 200  # small: here
+    assert (await post(middleware, chat_body(picture(1024, 1024)))).status_code == 200  # large: remote
+    small, large = (media_parts(record.json)[0]["type"] for record in engine.received)
+    assert (small, large) == ("image_url", "image_embeds")
+    assert len(encoders.calls) == 1
+    assert "image placed local (small)" in caplog.text
+    assert "image placed remote (large)" in caplog.text
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware)) as client:
+        page = (await client.get("http://pd/epd/status")).json()["placement"]
+    assert page["mode"] == "adaptive"
+    assert page["pd_load"] == 0
+    assert page["decisions"] == {"local_small": 1, "remote_large": 1}
+    assert page["thresholds"]["small_tokens"] == 300
+    assert prometheus_client.REGISTRY.get_sample_value(
+        "epd_placement_total", {"where": "local", "why": "small"}
+    )
+
+
+async def test_a_mixed_request_encodes_one_modality_here_and_another_remotely() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, placement="adaptive", placement_small_tokens=300)
+    assert (await post(app, chat_body(picture(448, 448), audio(png(3))))).status_code == 200
+    image_part, audio_part = media_parts(engine.received[0].json)
+    assert image_part["type"] == "image_url"
+    assert audio_part["type"] == "audio_embeds"
+    assert [len(call.body["messages"][0]["content"]) for call in encoders.calls] == [1]
+
+
+async def test_with_no_encoder_free_but_a_busy_pd_adaptive_stays_remote() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, load=50, placement="adaptive", placement_small_tokens=10_000)
+    assert (await post(app, chat_body(picture(448, 448)))).status_code == 200
+    assert media_parts(engine.received[0].json)[0]["type"] == "image_embeds"
+
+
+async def test_the_probes_ask_vllms_load_only_where_it_is_tracked() -> None:
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/load":
+            asked.append(str(request.url.host))
+            if request.url.host == "enc-0":
+                return httpx.Response(200, json={"server_load": 7})
+            return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200)
+
+    pool = ServerPool("encoder", PoolPolicy(5.0))
+    pool.set_members([E0, E1])
+    transport = HttpxTransport(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    for _ in range(2):
+        await probe(pool, transport, {}, ask_load=True)
+    assert pool.record(E0).server_load == 7
+    assert pool.record(E1).server_load is None
+    assert sorted(asked) == ["enc-0", "enc-0", "enc-1"]  # a server without tracking is asked once
+    await probe(pool, transport, {})
+    assert len(asked) == 3
+
+
+def test_the_placement_option_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from epd_middleware import EPDConfig
+
+    monkeypatch.setenv("EPD_ENCODERS", E0)
+    monkeypatch.setenv("EPD_PLACEMENT", "adaptive")
+    monkeypatch.setenv("EPD_PLACEMENT_SMALL_TOKENS", "512")
+    config = EPDConfig.from_env()
+    assert (config.placement, config.placement_small_tokens) == ("adaptive", 512)
