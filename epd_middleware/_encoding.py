@@ -117,7 +117,7 @@ class EncodeStage:
         """Where the items still to encode are encoded, per modality (:mod:`._placement`)."""
         placement, host = self.placement, context.host
         tokens = (
-            item_tokens(request.media, found.uuids, request.fields, host.vision_token_side)
+            item_tokens(request.media, found.uuids, request.fields, host)
             if placement.policy.mode == "adaptive" and to_encode
             else {}
         )

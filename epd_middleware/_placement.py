@@ -37,10 +37,6 @@ from .host import Host
 
 __all__ = ["Placement", "PlacementPolicy", "vision_tokens"]
 
-# Qwen2-VL's image processor when a request does not say otherwise: min_pixels, max_pixels.
-_MIN_PIXELS = 56 * 56
-_MAX_PIXELS = 28 * 28 * 16384
-
 
 @dataclass(frozen=True, slots=True)
 class PlacementPolicy:
@@ -184,12 +180,13 @@ def _total(values: Any) -> int | None:
 
 
 def item_tokens(
-    media: Sequence[MediaPart], uuids: Sequence[str], fields: Mapping[str, Any], side: int
+    media: Sequence[MediaPart], uuids: Sequence[str], fields: Mapping[str, Any], host: Host
 ) -> dict[tuple[str, str], int | None]:
     """Each item's estimated vision tokens, by (modality, uuid): images whose size their header gives;
     None for the rest (remote images, audio, video)."""
     options = text_of(fields.get(MM_PROCESSOR_KWARGS))
-    bounds = _pixel_bounds(options if isinstance(options, dict) else {})
+    bounds = _pixel_bounds(options if isinstance(options, dict) else {}, host.image_pixel_bounds)
+    side = host.vision_token_side
     tokens: dict[tuple[str, str], int | None] = {}
     for part, uuid in zip(media, uuids, strict=True):
         key = (part.modality, uuid)
@@ -200,10 +197,11 @@ def item_tokens(
     return tokens
 
 
-def _pixel_bounds(options: Mapping[str, Any]) -> tuple[int, int]:
+def _pixel_bounds(options: Mapping[str, Any], server: tuple[int, int]) -> tuple[int, int]:
     """The image processor's pixel bounds under a request's ``mm_processor_kwargs`` (Qwen2-VL reads
-    ``min_pixels``/``max_pixels``, or ``size`` with ``shortest_edge``/``longest_edge`` as those)."""
-    low, high = _MIN_PIXELS, _MAX_PIXELS
+    ``min_pixels``/``max_pixels``, or ``size`` with ``shortest_edge``/``longest_edge`` as those) over the
+    server's own."""
+    low, high = server
     size = options.get("size")
     if isinstance(size, dict):
         low = _int(size.get("shortest_edge"), low)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -83,9 +84,10 @@ class Host:
     placement: str = "remote"
     # The requests the local engine has unfinished, asked when a placement is decided; None: not known.
     engine_load: Callable[[], int] | None = field(default=None, repr=False, compare=False)
-    # Pixels per side of one vision token of the served model (patch size x spatial merge), for estimating
-    # a request's vision tokens from its images' sizes.
+    # Pixels per side of one vision token of the served model (patch size x spatial merge), and the image
+    # processor's pixel bounds, for estimating a request's vision tokens from its images' sizes.
     vision_token_side: int = 28
+    image_pixel_bounds: tuple[int, int] = (56 * 56, 28 * 28 * 16384)
     _digests: tuple[bytes, ...] = field(init=False, repr=False, compare=False)
     _next_rank: int = field(init=False, default=0, repr=False, compare=False)
 
@@ -158,6 +160,7 @@ class Host:
             on_encoder_failure=config.on_encoder_failure if config else "error",
             placement=config.placement if config else "remote",
             vision_token_side=_vision_token_side(vllm_config),
+            image_pixel_bounds=_image_pixel_bounds(vllm_config),
         )
         if config is not None:
             host._announce(config)
@@ -473,3 +476,35 @@ def _vision_token_side(vllm_config: object) -> int:
     if isinstance(patch, int) and isinstance(merge, int) and patch > 0 and merge > 0:
         return patch * merge
     return 28
+
+
+def _image_pixel_bounds(vllm_config: object) -> tuple[int, int]:
+    """The image processor's ``min_pixels`` and ``max_pixels`` (Qwen2-VL's ``preprocessor_config.json``,
+    or its ``size`` with ``shortest_edge``/``longest_edge``; the server's ``--mm-processor-kwargs`` over
+    them), for a model in a local directory; Qwen2-VL's defaults otherwise."""
+    low, high = 56 * 56, 28 * 28 * 16384
+    model_config = getattr(vllm_config, "model_config", None)
+    model = getattr(model_config, "model", None)
+    found: dict[str, Any] = {}
+    if isinstance(model, str) and model:
+        try:
+            loaded = json.loads((Path(model) / "preprocessor_config.json").read_text())
+        except (OSError, ValueError):
+            loaded = None
+        if isinstance(loaded, dict):
+            found.update(loaded)
+    multimodal = getattr(model_config, "multimodal_config", None)
+    server = getattr(multimodal, "mm_processor_kwargs", None)
+    if isinstance(server, dict):
+        found.update(server)
+    size = found.get("size")
+    if isinstance(size, dict):
+        low = _positive(size.get("shortest_edge"), low)
+        high = _positive(size.get("longest_edge"), high)
+    low = _positive(found.get("min_pixels"), low)
+    high = _positive(found.get("max_pixels"), high)
+    return low, max(low, high)
+
+
+def _positive(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default

@@ -5,8 +5,10 @@ Below the ASGI layer against a pool and a Host, then through the middleware with
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import zlib
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,8 +61,23 @@ def test_a_requests_pixel_bounds_change_its_tokens() -> None:
         url = png_of(1920, 1080)
 
     fields = {"mm_processor_kwargs": {"max_pixels": 256 * 28 * 28}}
-    assert item_tokens([Part()], ["u"], fields, 28) == {("image", "u"): 252}  # type: ignore[list-item]
-    assert item_tokens([Part()], ["u"], {}, 28) == {("image", "u"): 2691}  # type: ignore[list-item]
+    assert item_tokens([Part()], ["u"], fields, Host()) == {("image", "u"): 252}  # type: ignore[list-item]
+    assert item_tokens([Part()], ["u"], {}, Host()) == {("image", "u"): 2691}  # type: ignore[list-item]
+    # The server's own processor bounds (the lab's tiny model: max_pixels 200704): the seed image's 234.
+    tiny = Host(image_pixel_bounds=(3136, 200704))
+    Part.url = png_of(800, 600)
+    assert item_tokens([Part()], ["u"], {}, tiny) == {("image", "u"): 234}  # type: ignore[list-item]
+
+
+def test_the_host_reads_the_models_patch_grid_and_pixel_bounds(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 3136, "max_pixels": 200704}))
+    vision = SimpleNamespace(patch_size=16, spatial_merge_size=2)
+    model_config = SimpleNamespace(model=str(tmp_path), hf_config=SimpleNamespace(vision_config=vision))
+    host = Host.of_vllm(SimpleNamespace(model_config=model_config))
+    assert (host.vision_token_side, host.image_pixel_bounds) == (32, (3136, 200704))
+    assert Host.of_vllm(SimpleNamespace()).image_pixel_bounds == (3136, 28 * 28 * 16384)
 
 
 # --- the decision, below the ASGI layer ----------------------------------------------------------------
