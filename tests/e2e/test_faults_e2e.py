@@ -8,11 +8,10 @@ good ones its output.
 
 from __future__ import annotations
 
+import base64
 import shutil
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 from epd_lab.seed import seed_image, seed_request
 
 from .conftest import Deployment
+from .slow_media import slow_media_host
 from .test_vllm_e2e import AUTH, MODEL, assert_same, chat, chat_calls, encode_directly, record
 
 pytestmark = pytest.mark.e2e
@@ -83,54 +83,28 @@ def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deplo
     assert calls == len(attacks) + len(honest)
 
 
-class _SlowImage(BaseHTTPRequestHandler):
-    """Serves the seed image a second after it is asked for, and at that moment removes the embedding
-    the request's client reference names (a cleanup during a slow sibling call)."""
-
-    image: bytes = b""
-    remove: Path | None = None
-    asked = threading.Event()
-
-    def do_GET(self) -> None:
-        if self.remove is not None:
-            shutil.rmtree(self.remove, ignore_errors=True)
-        type(self).asked.set()
-        time.sleep(1.0)
-        self.send_response(200)
-        self.send_header("content-type", "image/png")
-        self.send_header("content-length", str(len(self.image)))
-        self.end_headers()
-        self.wfile.write(self.image)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 def test_a_client_reference_removed_while_its_request_is_prepared_is_refused_and_the_engine_lives(
     deployment: Deployment,
 ) -> None:
     """Before: references were checked once, before the encoder calls; one removed during a slow call
     reached the engine, whose core died on it."""
-    import base64
-
     uuid = "e2e-reference-removed-mid-request"
     reply = encode_directly(deployment, seed_image(shift=811), uuid, None)
     [(mm_hash, entry)] = reply["ec_transfer_params"].items()
     assert (deployment.storage / mm_hash).is_dir()
-    _SlowImage.image = base64.b64decode(seed_image(shift=812).split(",", 1)[1])
-    _SlowImage.remove = deployment.storage / mm_hash
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowImage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        body = seed_request(MODEL, images=[f"http://127.0.0.1:{server.server_port}/slow.png"])
+    image = base64.b64decode(seed_image(shift=812).split(",", 1)[1])
+
+    def cleanup() -> None:  # removes the referenced embedding while the sibling's fetch waits
+        shutil.rmtree(deployment.storage / mm_hash, ignore_errors=True)
+
+    with slow_media_host(image, 1.0, on_get=cleanup) as (url, asked):
+        body = seed_request(MODEL, images=[url])
         body["messages"][0]["content"].insert(
             0, {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": uuid}
         )
         response = chat(deployment.pd, body, AUTH)
-    finally:
-        server.shutdown()
+        assert asked.is_set()  # the sibling call was under way when it went
     record("client reference removed mid-request", response)
-    assert _SlowImage.asked.is_set()  # the sibling call was under way when it went
     assert response.status_code == 400, response.text
     assert "no longer has" in response.json()["error"]["message"]
     # The engine keeps serving.
