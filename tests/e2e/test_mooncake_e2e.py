@@ -246,8 +246,8 @@ def test_mooncake_adaptive_placement_never_encodes_on_the_pd_even_with_every_enc
     page = status(mooncake.pd)["placement"]
     assert page["mode"] == "adaptive"
     assert "ECMooncakeConnector consumer" in page["why_not_local"]
-    image = base64.b64decode(seed_image(shift=950).split(",", 1)[1])
-    body = seed_request(MODEL, images=[seed_image(shift=951)])
+    image = base64.b64decode(seed_image(shift=225).split(",", 1)[1])
+    body = seed_request(MODEL, images=[seed_image(shift=226)])
     baseline = chat(mooncake.single, body)
     with slow_media_host(image, 6.0) as (url, _):
         import threading

@@ -30,6 +30,16 @@ from .test_vllm_e2e import MODEL, assert_same, chat, chat_calls, record
 
 pytestmark = pytest.mark.e2e
 
+# Each video case its own options: a video already encoded for this PD would be reused, not placed.
+OTHER_VIDEO_OPTIONS = {
+    "media_io_kwargs": {"video": {"num_frames": 4}},
+    "mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 9408}},
+}
+MIXED_OPTIONS = {
+    "media_io_kwargs": {"video": {"num_frames": 4}},
+    "mm_processor_kwargs": {"size": {"shortest_edge": 3136, "longest_edge": 6272}},
+}
+
 
 def placement(deployment: Deployment) -> dict[str, Any]:
     page: dict[str, Any] = httpx.get(f"{deployment.pd_adaptive.url}/epd/status", timeout=30).json()
@@ -52,7 +62,7 @@ def encoder_calls(deployment: Deployment) -> int:
 def encoders_held_busy(deployment: Deployment, seconds: float = 6.0) -> Iterator[None]:
     """Every encoder busy with one request of the test's own (its image host answers late), until the PD's
     placement sees them saturated (its probe reads their GET /load)."""
-    image = base64.b64decode(seed_image(shift=901).split(",", 1)[1])
+    image = base64.b64decode(seed_image(shift=221).split(",", 1)[1])
     with slow_media_host(image, seconds) as (url, _):
         threads = [
             threading.Thread(
@@ -81,8 +91,8 @@ def encoders_held_busy(deployment: Deployment, seconds: float = 6.0) -> Iterator
 def test_a_small_request_placed_here_and_a_large_one_remotely_each_equal_the_single_instance(
     deployment: Deployment,
 ) -> None:
-    small = seed_request(MODEL, images=[seed_image(shift=910)])
-    large = seed_request(MODEL, images=[seed_image(shift=911 + i) for i in range(4)])
+    small = seed_request(MODEL, images=[seed_image(shift=246)])
+    large = seed_request(MODEL, images=[seed_image(shift=241 + i) for i in range(4)])
     for name, body, where, calls in (("small", small, "local_small", 0), ("large", large, "remote_large", 1)):
         baseline = chat(deployment.single, body)
         before = encoder_calls(deployment)
@@ -104,6 +114,9 @@ def test_video_placed_remotely_then_here_while_the_encoders_are_busy_equals_the_
     record("adaptive placement, video on an encoder", response, baseline)
     assert_same(response, baseline)
     assert decisions == {"remote_size_unknown": 1}, decisions
+    # Other options, so that nothing of the first is reused and the placement is decided again.
+    body = request([video_part(data_url(deployment.video, "video/mp4"))], OTHER_VIDEO_OPTIONS)
+    baseline = chat(deployment.single, body)
     with encoders_held_busy(deployment):
         response, decisions = decided(deployment, lambda: chat(deployment.pd_adaptive, body))
     record("adaptive placement, video here (encoders busy)", response, baseline)
@@ -114,7 +127,7 @@ def test_video_placed_remotely_then_here_while_the_encoders_are_busy_equals_the_
 def test_with_every_encoder_held_busy_a_large_request_is_placed_here_and_answers_exactly(
     deployment: Deployment,
 ) -> None:
-    body = seed_request(MODEL, images=[seed_image(shift=920 + i) for i in range(4)])
+    body = seed_request(MODEL, images=[seed_image(shift=231 + i) for i in range(4)])
     baseline = chat(deployment.single, body)
     with encoders_held_busy(deployment):
         before = encoder_calls(deployment)
@@ -129,8 +142,8 @@ def test_a_request_with_one_modality_placed_here_and_another_remotely_is_exact(
     deployment: Deployment,
 ) -> None:
     video = video_part(data_url(deployment.video, "video/mp4"))
-    picture = {"type": "image_url", "image_url": {"url": seed_image(shift=930)}}
-    body = request([picture, video], VIDEO_OPTIONS)
+    picture = {"type": "image_url", "image_url": {"url": seed_image(shift=236)}}
+    body = request([picture, video], MIXED_OPTIONS)
     baseline = chat(deployment.single, body)
     response, decisions = decided(deployment, lambda: chat(deployment.pd_adaptive, body))
     record("adaptive placement, image here + video on an encoder", response, baseline)
