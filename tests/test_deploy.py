@@ -831,3 +831,82 @@ def test_the_promql_check_refuses_what_prometheus_would_not_answer(expr: str, wh
     with pytest.raises(AssertionError) as caught:
         check_promql(expr, exported_series())
     assert why in str(caught.value)
+
+
+# --- The image: deploy/docker/Dockerfile ---
+
+DOCKERFILE = DEPLOY.parent / "docker" / "Dockerfile"
+PROJECT = DEPLOY.parent.parent
+
+
+def _dockerfile_lines() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments left out."""
+    joined = DOCKERFILE.read_text().replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _image_build_directory() -> tuple[str, set[str]]:
+    """The directory the image's ``pip install`` builds, and the paths (relative to it) that the COPY
+    lines put there, directories as their files: what the build backend sees."""
+    [install] = [line for line in _dockerfile_lines() if "pip install" in line]
+    [target] = [word for word in install.split() if word.startswith("/src/")]
+    staged: set[str] = set()
+    for line in _dockerfile_lines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, destination = line.split()[1:]
+        for source in sources:
+            where = destination.rstrip("/") + "/" + source if destination.endswith("/") else destination
+            found = PROJECT / source
+            files = [found] if found.is_file() else [p for p in found.rglob("*") if p.is_file()]
+            for path in files:
+                inside = (where + "/" + path.relative_to(found).as_posix()) if found.is_dir() else where
+                if inside.startswith(target + "/"):
+                    staged.add(inside.removeprefix(target + "/"))
+    return target, staged
+
+
+def _pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")
+    project: dict[str, Any] = tomllib.loads((PROJECT / "pyproject.toml").read_text())
+    return project
+
+
+def test_the_image_builds_the_package_with_its_license() -> None:
+    """The image's install builds the wheel from what the COPY lines put in its directory. LICENSE was not
+    among them: hatchling builds the wheel without a word, but with no License-File in its metadata and
+    no LICENSE in its dist-info (pyproject.toml's license-files names it)."""
+    pyproject = _pyproject()
+    _, staged = _image_build_directory()
+    needed = {"pyproject.toml", pyproject["project"]["readme"], *pyproject["project"]["license-files"]}
+    assert needed <= staged, needed - staged
+    for package in pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
+        assert f"{package}/__init__.py" in staged
+    # The build itself says so where a file goes missing again: the dist-info is read after the install.
+    [install] = [line for line in _dockerfile_lines() if "pip install" in line]
+    assert "m.files('epd-middleware')" in install
+    assert "'LICENSE'" in install
+
+
+def test_the_image_installs_no_dependency_and_says_which_are_there_already() -> None:
+    """The Dockerfile installs with --no-deps, saying every dependency is in vLLM's image already; its list
+    left out typing_extensions and urllib3, and nothing checked the claim. Now the comment names each
+    dependency of pyproject.toml (and the metrics extra), and `pip check` fails the build where one is
+    missing or too old."""
+    pyproject = _pyproject()["project"]
+    comment = " ".join(
+        line.lstrip("# ") for line in DOCKERFILE.read_text().splitlines() if line.startswith("#")
+    )
+    found = re.search(r"Every dependency of the package \(([^)]*)\)", comment)
+    assert found is not None
+    named = {re.sub(r"[-_.]+", "-", name).lower() for name in re.findall(r"[A-Za-z][\w.-]*", found[1])}
+    named -= {"for", "the", "metrics"}
+    required = {
+        re.sub(r"[-_.]+", "-", re.split(r"[^A-Za-z0-9_.-]", spec, maxsplit=1)[0]).lower()
+        for spec in [*pyproject["dependencies"], *pyproject["optional-dependencies"]["metrics"]]
+    }
+    assert named == required, (named - required, required - named)
+    [install] = [line for line in _dockerfile_lines() if "pip install" in line]
+    assert "--no-deps" in install
+    assert "pip check" in install
+    assert "grep '^epd-middleware '" in install
