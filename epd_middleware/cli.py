@@ -27,7 +27,7 @@ EPD_HEALTH_CHECK_TIMEOUT.
 EPD_API_KEYS, else VLLM_API_KEY, where keys are set): what the middleware inside it knows about vLLM
 there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as
 warnings; a status page that cannot be read (no answer, not JSON, nested too deep, of the wrong shape,
-over 8 MiB) is a problem. The URL is http(s)://HOST[:PORT], without credentials.
+over 8 MiB) is a problem. The URL is http(s)://HOST[:PORT]; a password in it is never shown.
 """
 
 from __future__ import annotations
@@ -245,19 +245,15 @@ def _server_problems(environ: dict[str, str]) -> list[str]:
 
 
 def _pd_url(text: str, warnings: list[str]) -> str:
-    """``--pd``'s URL as the command asks it; ValueError naming what is wrong, the URL's credentials
-    masked. A trailing /v1 (an OpenAI-style base URL) is stripped with a warning, as the middleware does
-    with encoder URLs: the status page is no /v1 route."""
+    """``--pd``'s URL as the command asks it; ValueError naming what is wrong. Every message, and every
+    line that names the URL later, shows it masked (:func:`masked`): a password in it is never repeated.
+    A trailing /v1 (an OpenAI-style base URL) is stripped with a warning, as the middleware does with
+    encoder URLs: the status page is no /v1 route."""
     shown = masked(text)
     if "://" not in text:
         # "pd:8000" would be read as scheme "pd" and fail as a server that cannot be reached.
         raise ValueError(f"--pd {shown!r} is not a URL (no scheme); give it as http://{shown}")
     parts = urlsplit(text)
-    if "@" in parts.netloc:
-        raise ValueError(
-            f"--pd {shown!r} carries credentials (user:password@), which no request sends; the status "
-            "page is read with the first of EPD_API_KEYS, else VLLM_API_KEY"
-        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--pd {shown!r} is not an http(s) URL with a host")
     port = parts.netloc.rpartition("]")[2].rpartition(":")
@@ -268,7 +264,7 @@ def _pd_url(text: str, warnings: list[str]) -> str:
     url = text.rstrip("/")
     if parts.path.rstrip("/").endswith("/v1"):
         url = url.removesuffix("/v1")
-        warnings.append(f"pd URL {url}/v1: the status page is not under /v1; using {url}")
+        warnings.append(f"pd URL {masked(url)}/v1: the status page is not under /v1; using {masked(url)}")
     return url
 
 
@@ -357,11 +353,11 @@ async def _run(
             if error is None:
                 page, error = await pd_status(config, client, pd_url, limit)
             if error is not None:
-                problems.append(f"pd {pd_url}: status page: {error}")
+                problems.append(f"pd {masked(pd_url)}: status page: {error}")
             else:
                 assert page is not None
                 pd = {
-                    "url": pd_url,
+                    "url": masked(pd_url),
                     "model_runner": page.get("model_runner"),
                     "known_problems": page.get("known_problems", []),
                 }
