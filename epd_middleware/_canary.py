@@ -10,6 +10,7 @@ made here, so no file ships with the package.
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 import zlib
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from ._protocol import EC_TRANSFER_PARAMS, UUID, embedding_stored
 from ._surfaces import encoder_request
 from ._upstream import Attempt
 from .errors import UpstreamBadReply
+from .transport import Body
 
 __all__ = ["CANARY_UUID", "canary"]
 
@@ -63,8 +65,8 @@ _ITEM = MediaItem(
 def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
     """The canary call for encoders that serve ``model``: an image only, none of a client's options,
     its answer read as every encoder answer is (a handle for the item; under ``storage``, the embedding
-    where the local connector would look)."""
-    body = encoder_request(model, [_ITEM.part], {}, None)
+    where the local connector would look). Made for every request that may need it, so nothing is
+    built until a confirmation asks for it."""
 
     def read(server: str, reply: dict[str, Any]) -> None:
         handles = match_reply(server, (_ITEM,), reply.get(EC_TRANSFER_PARAMS))
@@ -75,4 +77,9 @@ def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
                 if not embedding_stored(storage, handle.mm_hash):
                     raise UpstreamBadReply(server, "the canary's embedding is not in the shared storage")
 
-    return lambda: Attempt(body, read)
+    return lambda: Attempt(_body(model), read)
+
+
+@functools.lru_cache(maxsize=16)
+def _body(model: str) -> Body:
+    return encoder_request(model, [_ITEM.part], {}, None)
