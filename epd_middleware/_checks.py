@@ -7,7 +7,7 @@ from __future__ import annotations
 from ._media_budget import known_decoded_bytes
 from ._media_policy import MediaPolicy
 from ._metrics import Stats
-from ._protocol import CACHE_SALT, cache_salt_refusal, embedding_stored, plain_file_name
+from ._protocol import CACHE_SALT, cache_salt_refusal, embedding_stored, embedding_used, plain_file_name
 from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface
 from .errors import MediaBudgetExceeded, MediaRefused, RefusedField, UnresolvableReference
@@ -77,7 +77,7 @@ def check_references_again(
     die on the reference as on one that never was."""
     storage = host.storage
     for where, identifier in confirmed:
-        if storage is None or not embedding_stored(storage, identifier):
+        if storage is None or not embedding_used(storage, identifier):
             stats.request("reference_refused")
             raise UnresolvableReference(
                 f"{where} refers to embedding {identifier[:80]!r}, which this server no longer has (it "

@@ -23,7 +23,7 @@ from ._metrics import Stats
 from ._placement import Decision, Placement, item_tokens
 from ._plan import EncoderCall, MediaItem, media_items, plan_calls
 from ._pool import ServerPool, no_server_left
-from ._protocol import EC_ITEMS, MODEL, embedding_stored
+from ._protocol import EC_ITEMS, MODEL, embedding_used
 from ._rawjson import text_of
 from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from ._scheduler import Route
@@ -295,7 +295,7 @@ class EncodeStage:
             if rule.model is not None and key in expected and expected[key] is None:
                 self.stats.counters["identifier_unknown_items"] += 1
                 unconfirmed.add(key[0])
-            elif storage is not None and not embedding_stored(storage, handle.mm_hash):
+            elif storage is not None and not embedding_used(storage, handle.mm_hash):
                 self.stats.counters["embeddings_gone_before_the_engine"] += 1
                 unconfirmed.add(key[0])
                 if key in reuse_keys:
