@@ -87,6 +87,8 @@ class EncodeOutcome:
 
     handles: dict[ItemKey, Handle]
     failed: tuple[tuple[EncoderCall, UpstreamError], ...] = ()
+    # The encoder that answered each call (after any failover), in the calls' order; "" where none did.
+    answered: tuple[str, ...] = ()
 
 
 async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> EncodeOutcome:
@@ -99,6 +101,7 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
     """
     calls = job.calls
     results: list[dict[ItemKey, Handle]] = [{} for _ in calls]
+    answered = [""] * len(calls)
     failures: dict[int, UpstreamError] = {}
     rejected: list[UpstreamError] = []
     request_of = _requests(job)
@@ -108,7 +111,13 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
 
         def attempt() -> Attempt[dict[ItemKey, Handle]]:
             request = request_of(call)
-            return Attempt(request.body, lambda server, reply: _handles(server, call, request, reply, job))
+
+            def read(server: str, reply: dict[str, Any]) -> dict[ItemKey, Handle]:
+                handles = _handles(server, call, request, reply, job)
+                answered[index] = server
+                return handles
+
+            return Attempt(request.body, read)
 
         try:
             results[index] = await failover.call(
@@ -152,7 +161,8 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
     if failures and job.stop_at_first_failure:
         raise failures[min(failures)]
     handles = {key: handle for result in results for key, handle in result.items()}
-    return EncodeOutcome(handles, tuple((calls[index], failures[index]) for index in sorted(failures)))
+    failed = tuple((calls[index], failures[index]) for index in sorted(failures))
+    return EncodeOutcome(handles, failed, tuple(answered))
 
 
 def _requests(job: EncodeJob) -> Callable[[EncoderCall], EncoderRequest]:

@@ -100,9 +100,9 @@ class EncodeStage:
         pushed = context.push_to is not None and bool(outcome.handles)
         if not logger.isEnabledFor(logging.INFO):
             return Encoded(fields, None, pushed)
-        used = ", ".join(sorted({call.encoder for call in calls})) or "none"
+        used = ", ".join(sorted(set(outcome.answered) - {""})) or "none"
         note = (
-            f"{len(found.items)} media item(s), {len(calls)} encoder call(s) to {used}"
+            f"{len(found.items)} media item(s), {len(calls)} encoder call(s) answered by {used}"
             + (f", {len(reused.handles)} reused" if reused.handles else "")
             + f"; encode {(encoded - started) * 1000:.1f} ms"
             + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
@@ -249,9 +249,7 @@ class EncodeStage:
         fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(to_encode)
         reason = outcome.failed[0][1].logged if outcome.failed else "no encoder is available"
         self.stats.fallback(fallen)
-        logger.warning(
-            "request %s: %d media item(s) left to the local engine: %s", context.request_id, fallen, reason
-        )
+        logger.warning("%d media item(s) left to the local engine: %s", fallen, reason)
         return fallen
 
     def _engine_fields(

@@ -255,7 +255,7 @@ class Pipeline:
             body = encode_fields(fields, compat=request.compat)
             said = [note for note in notes if note]
             if said and logger.isEnabledFor(logging.INFO):
-                logger.info("request %s: %s", context.request_id, "; ".join(said))
+                logger.info("%s", "; ".join(said))
             return Prepared(body, pushed)
         except Unusable:
             # Never the client's body as it came instead: the engine would read what was not checked.

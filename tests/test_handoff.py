@@ -320,7 +320,8 @@ async def test_an_embedding_handed_to_the_engine_counts_as_used_now(tmp_path: Pa
     app = inside_vllm(encoders, engine, tmp_path)
     body = chat_body(image(png(1)))
     assert (await post(app, body)).status_code == 200
-    [stored_file] = tmp_path.glob("*/encoder_cache.safetensors")
+    uuid = encoders.calls[0].body["messages"][0]["content"][0]["uuid"]  # the hash: no options
+    stored_file = tmp_path / uuid / "encoder_cache.safetensors"
     os.utime(stored_file, (1_000_000, 1_000_000))  # written long ago
     assert (await post(app, body)).status_code == 200  # reused: no new encoder call
     assert len(encoders.calls) == 1
