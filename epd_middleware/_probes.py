@@ -117,7 +117,9 @@ async def _canary_problem(
             pool.models.headers,
             role=pool.role,
             label=pool.label(url),
-            capacity=pool.record(url).capacity,
+            # No slot, as /health takes none: a client holding every slot (slow media) must not make a
+            # healthy server fail its canary for want of one.
+            capacity=None,
             call_timeout=pool.policy.health_check_timeout,
             deadline=None,
             stats=pool.stats,

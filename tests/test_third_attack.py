@@ -1,0 +1,128 @@
+"""The third outside attack (after issue 29's mends), on asyncio and trio with loopback fakes modelled on
+vLLM 0.32: each test names an attack. Those that found a defect say what happened before the mend; those
+that found none are marked "held" and guard the behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from .fakes import (
+    TEST_MODELS,
+    app_with_encoder_handler,
+    chat_body,
+    encoder_reply,
+    image,
+    is_canary,
+    models_answer,
+    reported_entries,
+)
+from .test_middleware import E0, png, post
+from .test_resilience import _middleware
+
+pytestmark = pytest.mark.anyio
+
+
+def encoded(body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+    return httpx.Response(
+        200, json=encoder_reply(body, reported_entries(body), request.headers.get("x-request-id"))
+    )
+
+
+class Encoders:
+    """vLLM encoders behind one async handler: /health, /v1/models, and chat completions answered by
+    ``chat`` (body, request) -> response, which may wait. Counts the canaries and /health probes each
+    server got."""
+
+    def __init__(self, chat: Any) -> None:
+        self.chat = chat
+        self.canaries: dict[str, int] = {}
+        self.health: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        server = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        if request.url.path == "/health":
+            self.health[server] = self.health.get(server, 0) + 1
+            return httpx.Response(200)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json=models_answer(TEST_MODELS))
+        body = json.loads(request.content)
+        if is_canary(body):
+            self.canaries[server] = self.canaries.get(server, 0) + 1
+            await anyio.sleep(0.01)
+            return encoded(body, request)
+        self.calls[server] = self.calls.get(server, 0) + 1
+        result = self.chat(server, body, request)
+        if not isinstance(result, httpx.Response):
+            result = await result
+        return result
+
+
+def states(app: Any) -> dict[str, dict[str, Any]]:
+    return _middleware(app).pipeline.encoders.snapshot(anyio.current_time())
+
+
+def healthy(app: Any) -> list[str]:
+    return [url for url, state in states(app).items() if state["healthy"]]
+
+
+def vllm_500(message: str) -> httpx.Response:
+    error = {"message": message, "type": "InternalServerError", "code": 500}
+    return httpx.Response(500, json={"error": error})
+
+
+def pil_failure() -> httpx.Response:
+    """vLLM's 500 for bytes PIL cannot read: its message names a Python object's address, another on
+    every call and every server."""
+    return vllm_500(f"cannot identify image file <_io.BytesIO object at 0x7f{secrets.token_hex(5)}>")
+
+
+def carries(body: dict[str, Any], marker: str) -> bool:
+    return marker in json.dumps(body)
+
+
+# --- the shared encoders: a healthy encoder's failures made to count against it --------------------------
+
+
+async def test_a_client_holding_every_slot_of_an_encoder_does_not_get_it_ejected_by_its_canary() -> None:
+    """The canary that confirms an ejection waited for one of this process's own slots on the server, like
+    a client's call: a client holding them all with slow media (an image host that answers slowly) made
+    it wait past its timeout, "the canary encode failed", and a healthy encoder left the pool on the
+    next failure blamed on it (one request whose bytes PIL cannot read). Every user then got 503."""
+    slow, release = png(7), anyio.Event()
+
+    async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if carries(body, slow):
+            await release.wait()
+        elif carries(body, png(66)):
+            await anyio.sleep(0.1)  # meanwhile more slow requests queue for the slots
+            return pil_failure()
+        return encoded(body, request)
+
+    app, _engine = app_with_encoder_handler(
+        Encoders(chat),
+        encoders=[E0],
+        max_inflight_per_encoder=2,
+        eject_after=1,
+        health_check_timeout=0.2,
+        health_check_interval=0,
+    )
+    middleware = app.build_middleware_stack()
+    async with anyio.create_task_group() as group:
+        group.start_soon(post, middleware, chat_body(image(slow)))
+        await anyio.sleep(0.02)
+        group.start_soon(post, middleware, chat_body(image(png(66))))
+        await anyio.sleep(0.02)
+        for _ in range(3):
+            group.start_soon(post, middleware, chat_body(image(slow)))
+        await anyio.sleep(0.5)
+        assert healthy(middleware) == [E0]
+        release.set()
+    assert (await post(middleware, chat_body(image(png(1))))).status_code == 200
