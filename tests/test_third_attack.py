@@ -23,7 +23,7 @@ from .fakes import (
     models_answer,
     reported_entries,
 )
-from .test_middleware import E0, png, post
+from .test_middleware import E0, E1, png, post
 from .test_resilience import _middleware
 
 pytestmark = pytest.mark.anyio
@@ -40,8 +40,9 @@ class Encoders:
     ``chat`` (body, request) -> response, which may wait. Counts the canaries and /health probes each
     server got."""
 
-    def __init__(self, chat: Any) -> None:
+    def __init__(self, chat: Any, canary_takes: float = 0.01) -> None:
         self.chat = chat
+        self.canary_takes = canary_takes
         self.canaries: dict[str, int] = {}
         self.health: dict[str, int] = {}
         self.calls: dict[str, int] = {}
@@ -56,7 +57,7 @@ class Encoders:
         body = json.loads(request.content)
         if is_canary(body):
             self.canaries[server] = self.canaries.get(server, 0) + 1
-            await anyio.sleep(0.01)
+            await anyio.sleep(self.canary_takes)  # an encode takes a while
             return encoded(body, request)
         self.calls[server] = self.calls.get(server, 0) + 1
         result = self.chat(server, body, request)
@@ -126,3 +127,62 @@ async def test_a_client_holding_every_slot_of_an_encoder_does_not_get_it_ejected
         assert healthy(middleware) == [E0]
         release.set()
     assert (await post(middleware, chat_body(image(png(1))))).status_code == 200
+
+
+async def test_concurrent_bad_requests_cost_each_encoder_one_canary_not_one_each() -> None:
+    """Canary amplification: a request that fails the same way on a second encoder has that encoder prove
+    itself healthy (/health and a canary encode), and a proof holds a while, but only once it is made:
+    every request that became suspect while one was under way made its own. 30 concurrent requests with
+    bytes no server can decode cost the second encoder 30 canaries and 30 health checks at once (a client
+    at c100 made a hundred encodes of the middleware's own per round trip). Now a proof under way is
+    shared."""
+    poison = png(66)
+
+    async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if carries(body, poison):
+            await anyio.sleep(0.05)
+            return vllm_500("cannot identify image file")
+        return encoded(body, request)
+
+    encoders = Encoders(chat, canary_takes=0.1)
+    app, engine = app_with_encoder_handler(encoders, encoders=[E0, E1], health_check_interval=0)
+    middleware = app.build_middleware_stack()
+    answers: list[int] = []
+
+    async def attack() -> None:
+        answers.append((await post(middleware, chat_body(image(poison)))).status_code)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as group:
+            for _ in range(30):
+                group.start_soon(attack)
+    assert answers == [500] * 30  # vLLM's own answer, the request at fault
+    assert sum(encoders.canaries.values()) <= 2
+    assert sum(encoders.health.values()) <= 2
+    assert healthy(middleware) == [E0, E1]
+    assert engine.received == []
+
+
+async def test_a_shared_proof_whose_maker_left_is_made_again_by_the_one_waiting() -> None:
+    """The shared proof's guard: a request that left (its caller disconnected) while its proof was under
+    way leaves no verdict; the request that waited for it makes its own rather than taking none."""
+    from epd_middleware._pool import PoolPolicy, ServerPool
+    from epd_middleware._probes import proves_healthy
+
+    from .fake_transport import FakeTransport, after, vllm
+
+    pool = ServerPool("encoder", PoolPolicy(timeout=1.0, health_check_timeout=1.0))
+    pool.set_members([E0])
+    transport = FakeTransport({E0: vllm(health=after(0.1, lambda call: (200, b"")))})
+    said: list[str | None] = []
+
+    async def waiting() -> None:
+        await anyio.sleep(0.02)
+        said.append(await proves_healthy(pool, transport, E0))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(waiting)
+        with anyio.move_on_after(0.05):
+            await proves_healthy(pool, transport, E0)
+    assert said == [None]
+    assert len(transport.to(E0, "/health")) == 2
