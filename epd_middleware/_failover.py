@@ -111,6 +111,9 @@ async def call(
         pool.record_success(server)
         return result
     assert last is not None
+    last = ledger.final(last)
+    if not last.retryable:
+        raise last from None  # the request's own answer: vLLM's words, not the servers tried
     if len(why) > 1:
         last.tried(why)
     raise last

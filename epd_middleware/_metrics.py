@@ -122,7 +122,8 @@ class _PoolMetrics:
             "(vLLM's answer to bad input, the request's media failing to load, or the same failure on "
             "another server), credentials (the client's own key refused), capped (not counted: the "
             "request had cost another server a failure already), none (no slot free here), retracted "
-            "(counted, then taken back as the request's).",
+            "(counted, then taken back as the request's), media (the request's own media could not be "
+            "fetched there: not counted, tried on another).",
             [role, "blame"],
         )
         self.ejection_checks = prom.Counter(

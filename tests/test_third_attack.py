@@ -23,7 +23,7 @@ from .fakes import (
     models_answer,
     reported_entries,
 )
-from .test_middleware import E0, E1, png, post
+from .test_middleware import E0, E1, E2, png, post
 from .test_resilience import _middleware
 
 pytestmark = pytest.mark.anyio
@@ -186,3 +186,58 @@ async def test_a_shared_proof_whose_maker_left_is_made_again_by_the_one_waiting(
             await proves_healthy(pool, transport, E0)
     assert said == [None]
     assert len(transport.to(E0, "/health")) == 2
+
+
+EGRESS_DOWN = (
+    "Cannot connect to host images.example.com:443 ssl:default [Temporary failure in name resolution]"
+)
+
+
+async def test_an_encoder_that_cannot_fetch_any_url_is_failed_over_not_taken_for_the_clients_fault() -> None:
+    """A truly broken encoder (its own DNS or egress down) answers every http(s) image with aiohttp's
+    "Cannot connect to host <the image's host>". A message naming the request's media host was taken
+    as proof that the request is at fault: the client got that 500 after one call, never the encoder
+    that could fetch it, and the broken one was never blamed. With affinity every request for that image
+    failed, where a single instance (or the other encoder) answers 200."""
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if server == E0 and carries(body, "https://images.example.com/"):
+            return vllm_500(EGRESS_DOWN)
+        return encoded(body, request)
+
+    app, engine = app_with_encoder_handler(Encoders(chat), encoders=[E0, E1], health_check_interval=0)
+    middleware = app.build_middleware_stack()
+    for index in range(4):
+        part = {"type": "image_url", "image_url": {"url": f"https://images.example.com/{index}.png"}}
+        response = await post(middleware, chat_body(part))
+        assert response.status_code == 200, response.text
+    assert len(engine.received) == 4
+    # Not counted against it either: one server's failed fetch proves nothing about the server.
+    assert states(middleware)[E0]["failures_by_blame"] == {"media": 4}
+    assert healthy(middleware) == [E0, E1]
+
+
+async def test_an_image_host_that_does_not_resolve_costs_two_calls_and_gets_vllms_answer() -> None:
+    """The other side of the mend above (before: one call, the same answer): a client repeating an image
+    host that resolves nowhere gets vLLM's 500 with vLLM's words once two encoders agreed, no encoder is
+    blamed, no canary is sent, and with a single encoder the answer is vLLM's too (no other server to say
+    otherwise)."""
+    unresolvable = {"type": "image_url", "image_url": {"url": "https://images.nope.invalid/a.png"}}
+    said = "Cannot connect to host images.nope.invalid:443 ssl:default [Name or service not known]"
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        return vllm_500(said) if carries(body, "nope.invalid") else encoded(body, request)
+
+    for pool in ([E0, E1, E2], [E0]):
+        encoders = Encoders(chat)
+        app, engine = app_with_encoder_handler(encoders, encoders=pool, health_check_interval=0)
+        middleware = app.build_middleware_stack()
+        for _ in range(6):
+            response = await post(middleware, chat_body(unresolvable))
+            assert response.status_code == 500
+            assert response.json()["error"]["message"] == said
+        assert sum(encoders.calls.values()) == 6 * min(len(pool), 2)
+        assert sum(encoders.canaries.values()) == 0
+        assert healthy(middleware) == pool
+        assert all(state["consecutive_failures"] == 0 for state in states(middleware).values())
+        assert engine.received == []
