@@ -12,8 +12,8 @@ from __future__ import annotations
 import base64
 import struct
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from ._handles import match_reply
 from ._plan import MediaItem
@@ -22,7 +22,7 @@ from ._surfaces import encoder_request
 from ._upstream import Attempt
 from .errors import UpstreamBadReply
 
-__all__ = ["CANARY_UUID", "canary"]
+__all__ = ["CANARY_UUID", "Canary", "canary"]
 
 _SIDE = 56
 # Pinned, so that the encoder reports it as the hash (no options) and the one file it writes under
@@ -60,11 +60,20 @@ _ITEM = MediaItem(
 )
 
 
-def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
+class Canary(NamedTuple):
+    """The canary call: each try of it (body and reading), and the headers it is sent with."""
+
+    attempt: Callable[[], Attempt[None]]
+    headers: Mapping[str, str]
+
+
+def canary(model: str, storage: str | None, authorization: str | None) -> Canary:
     """The canary call for encoders that serve ``model``: an image only, none of a client's options,
     its answer read as every encoder answer is (a handle for the item; under ``storage``, the embedding
-    where the local connector would look)."""
+    where the local connector would look). ``authorization``: the key the request's own calls carry
+    (the client's, under ``forward_authorization``): the encoders just took it, and may take no other."""
     body = encoder_request(model, [_ITEM.part], {}, None)
+    headers = {"authorization": authorization} if authorization is not None else {}
 
     def read(server: str, reply: dict[str, Any]) -> None:
         handles = match_reply(server, (_ITEM,), reply.get(EC_TRANSFER_PARAMS))
@@ -75,4 +84,4 @@ def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
                 if not embedding_stored(storage, handle.mm_hash):
                     raise UpstreamBadReply(server, "the canary's embedding is not in the shared storage")
 
-    return lambda: Attempt(body, read)
+    return Canary(lambda: Attempt(body, read), headers)

@@ -13,6 +13,7 @@ from typing import TypeVar
 import anyio
 
 from ._blame import Ledger
+from ._canary import Canary
 from ._logs import logger
 from ._pool import ServerPool
 from ._probes import confirm_failing, proves_healthy
@@ -35,7 +36,7 @@ async def call(
     preferred: Sequence[str] = (),
     deadline: float | None = None,
     ledger: Ledger | None = None,
-    canary: Callable[[], Attempt[None]] | None = None,
+    canary: Canary | None = None,
 ) -> T:
     """POST to ``first``, then to other servers while the call fails in a way another server may not
     (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A

@@ -6,14 +6,15 @@ server's ejection waits for after its calls failed (:func:`confirm_failing`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import anyio
 
+from ._canary import Canary
 from ._logs import logger
 from ._pool import Proof, ServerPool
 from ._protocol import CHAT_COMPLETIONS_PATH
-from ._upstream import Attempt, post_once
+from ._upstream import post_once
 from .errors import UpstreamError
 from .transport import HTTPError, Transport, UnsendableRequest
 
@@ -62,7 +63,7 @@ async def confirm_failing(
     pool: ServerPool,
     transport: Transport,
     url: str,
-    canary: Callable[[], Attempt[None]] | None = None,
+    canary: Canary | None = None,
 ) -> None:
     """``url`` failed ``eject_after`` calls in a row: eject it only if it also fails on its own, without
     any client's request (:func:`proves_healthy`); otherwise it is kept, its failures were its
@@ -83,7 +84,7 @@ async def proves_healthy(
     pool: ServerPool,
     transport: Transport,
     url: str,
-    canary: Callable[[], Attempt[None]] | None = None,
+    canary: Canary | None = None,
 ) -> str | None:
     """Why ``url`` is not healthy on its own, with nothing of any client's in the calls: its ``/health``,
     then the ``canary`` call where one is given (an encoder's canary encode), each within the
@@ -119,17 +120,15 @@ async def proves_healthy(
         proof.done.set()
 
 
-async def _canary_problem(
-    pool: ServerPool, transport: Transport, url: str, canary: Callable[[], Attempt[None]]
-) -> str | None:
-    attempt = canary()
+async def _canary_problem(pool: ServerPool, transport: Transport, url: str, canary: Canary) -> str | None:
+    attempt = canary.attempt()
     try:
         reply = await post_once(
             transport,
             url,
             CHAT_COMPLETIONS_PATH,
             attempt.body,
-            pool.models.headers,
+            canary.headers,
             role=pool.role,
             label=pool.label(url),
             # No slot, as /health takes none: a client holding every slot (slow media) must not make a

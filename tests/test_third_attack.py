@@ -241,3 +241,36 @@ async def test_an_image_host_that_does_not_resolve_costs_two_calls_and_gets_vllm
         assert healthy(middleware) == pool
         assert all(state["consecutive_failures"] == 0 for state in states(middleware).values())
         assert engine.received == []
+
+
+async def test_under_forward_authorization_the_canary_carries_a_key_the_encoders_take() -> None:
+    """With forward_authorization the encoders check the clients' own keys, and the middleware has none
+    of its own (no encoder_api_key; model checks off, as they need one). The canary went without any:
+    every encoder answered it 401, "the canary encode failed", so any three failures blamed on a server
+    (three requests with bytes PIL cannot read, from one client with a good key) ejected it, and six
+    emptied a pool of two for everyone: issue 29's attack again. Now the canary carries the key of the
+    request it confirms for, which the encoders just took for its own calls."""
+
+    async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if carries(body, png(66)):
+            return pil_failure()
+        return encoded(body, request)
+
+    inner = Encoders(chat)
+
+    async def keyed(request: httpx.Request) -> httpx.Response:
+        if request.url.path.startswith("/v1/") and request.headers.get("authorization") != "Bearer good":
+            return httpx.Response(401, json={"error": "Unauthorized"})
+        return await inner(request)
+
+    app, _engine = app_with_encoder_handler(
+        keyed, encoders=[E0, E1], forward_authorization=True, check_models=False, health_check_interval=0
+    )
+    middleware = app.build_middleware_stack()
+    key = {"authorization": "Bearer good"}
+    for _ in range(6):
+        response = await post(middleware, chat_body(image(png(66))), headers=key)
+        assert response.status_code == 502
+    assert healthy(middleware) == [E0, E1]
+    assert sum(inner.canaries.values()) >= 1
+    assert (await post(middleware, chat_body(image(png(1))), headers=key)).status_code == 200
