@@ -274,3 +274,126 @@ async def test_under_forward_authorization_the_canary_carries_a_key_the_encoders
     assert healthy(middleware) == [E0, E1]
     assert sum(inner.canaries.values()) >= 1
     assert (await post(middleware, chat_body(image(png(1))), headers=key)).status_code == 200
+
+
+async def test_failures_that_differ_on_every_server_eject_no_healthy_encoder() -> None:
+    """Held: bytes PIL cannot read fail with a message naming an object's address, another on every call,
+    so no two servers ever agree. Each request still costs one server one failure (the others are
+    capped), and a server that reaches eject_after proves itself with a canary and stays."""
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        return pil_failure() if carries(body, png(66)) else encoded(body, request)
+
+    encoders = Encoders(chat)
+    app, _engine = app_with_encoder_handler(encoders, encoders=[E0, E1, E2], health_check_interval=0)
+    middleware = app.build_middleware_stack()
+    for attack in range(12):
+        assert (await post(middleware, chat_body(image(png(66))))).status_code == 502
+        assert (await post(middleware, chat_body(image(png(attack))))).status_code == 200
+    assert healthy(middleware) == [E0, E1, E2]
+    blamed = [state["failures_by_blame"] for state in states(middleware).values()]
+    assert sum(counts.get("server", 0) for counts in blamed) == 12
+    assert sum(state["ejections_averted"] for state in states(middleware).values()) >= 3
+    assert sum(encoders.canaries.values()) <= 3  # a proof holds a while
+
+
+async def test_an_image_host_slower_than_the_encoder_timeout_ejects_no_encoder() -> None:
+    """Held: media on a host that never answers times the call out on the first encoder (counted) and on
+    the second (which proves healthy): the request is at fault, 504, the first count is taken back, and
+    no third encoder is tried."""
+
+    async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if carries(body, "tarpit.example"):
+            await anyio.sleep(10)
+        return encoded(body, request)
+
+    encoders = Encoders(chat)
+    app, _engine = app_with_encoder_handler(
+        encoders, encoders=[E0, E1, E2], encoder_timeout=0.1, health_check_interval=0
+    )
+    middleware = app.build_middleware_stack()
+    slow = {"type": "image_url", "image_url": {"url": "https://tarpit.example/a.png"}}
+    for _ in range(6):
+        response = await post(middleware, chat_body(slow))
+        assert response.status_code == 504
+        assert "timed out on 2 encoders" in response.json()["error"]["message"]
+    assert sum(encoders.calls.values()) == 12
+    assert healthy(middleware) == [E0, E1, E2]
+    assert all(state["consecutive_failures"] == 0 for state in states(middleware).values())
+
+
+async def test_a_hung_encoder_is_not_shielded_by_a_clients_timeouts_being_taken_back() -> None:
+    """Held: an encoder that hangs on every encode (its /health still answers) gets its failures counted
+    by honest requests; a client whose own slow media times out everywhere has only its own count taken
+    back, so the hung encoder still fails its canary and leaves the pool."""
+
+    async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if server == E0 or carries(body, "tarpit.example"):
+            await anyio.sleep(10)
+        return encoded(body, request)
+
+    async def hung_canaries(request: httpx.Request) -> httpx.Response:
+        server = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        if server == E0 and request.url.path == "/v1/chat/completions":
+            await anyio.sleep(10)  # the canary hangs too
+        return await inner(request)
+
+    inner = Encoders(chat)
+    app, _engine = app_with_encoder_handler(
+        hung_canaries,
+        encoders=[E0, E1],
+        encoder_timeout=0.1,
+        health_check_timeout=0.1,
+        health_check_interval=0,
+    )
+    middleware = app.build_middleware_stack()
+    slow = {"type": "image_url", "image_url": {"url": "https://tarpit.example/a.png"}}
+    for seed in range(4):
+        assert (await post(middleware, chat_body(slow))).status_code == 504
+        assert (await post(middleware, chat_body(image(png(seed))))).status_code == 200
+    assert healthy(middleware) == [E1]
+
+
+async def test_a_client_holding_one_encoders_slots_does_not_make_honest_requests_wait() -> None:
+    """Held: with affinity, an encoder whose slots a client holds (slow media) is skipped at once by
+    the bounded-load rule; honest requests go to the next encoder of their ranking without waiting for a
+    slot, and nothing is blamed."""
+    slow, release = png(7), anyio.Event()
+
+    async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if carries(body, slow):
+            await release.wait()
+        return encoded(body, request)
+
+    app, _engine = app_with_encoder_handler(
+        Encoders(chat),
+        encoders=[E0, E1],
+        encoder_selection="affinity",
+        max_inflight_per_encoder=2,
+        health_check_interval=0,
+    )
+    middleware = app.build_middleware_stack()
+    async with anyio.create_task_group() as group:
+        for _ in range(2):
+            group.start_soon(post, middleware, chat_body(image(slow)))
+        await anyio.sleep(0.05)
+        with anyio.fail_after(1):
+            for seed in range(10, 18):
+                assert (await post(middleware, chat_body(image(png(seed))))).status_code == 200
+        release.set()
+    assert all(not state["failures_by_blame"] for state in states(middleware).values())
+
+
+async def test_an_encoder_whose_canary_passes_while_real_calls_fail_costs_clients_nothing() -> None:
+    """Held for the clients, left for the server: an encoder that fails every real encode (say, out of
+    memory on real images) but encodes the tiny canary is kept in the pool at every confirmation (it
+    proves healthy on its own); every client still gets 200 from the encoder its call fails over to."""
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        return vllm_500("CUDA out of memory") if server == E0 else encoded(body, request)
+
+    app, _engine = app_with_encoder_handler(Encoders(chat), encoders=[E0, E1], health_check_interval=0)
+    middleware = app.build_middleware_stack()
+    for seed in range(9):
+        assert (await post(middleware, chat_body(image(png(seed))))).status_code == 200
+    assert states(middleware)[E0]["ejections_averted"] >= 1
