@@ -133,7 +133,8 @@ class Pipeline:
         the engine unchanged; an :class:`~epd_middleware.errors.EPDError` for a body that must not.
 
         Cheap for bodies without media: a byte scan, no JSON parse. With remote prefill every request
-        goes through P, so every body is parsed.
+        goes through P, so every body is parsed. A body that sets ``ec_transfer_params`` is parsed too,
+        whatever it holds: the engine's are the middleware's alone (:func:`~._surfaces.with_handles`).
         """
         with_prefill = bool(self.config.prefill or route.prefill)
         # Where the middleware runs remote prefill, where a decoder takes its KV cache from is its call.
@@ -141,6 +142,7 @@ class Pipeline:
         if (
             not with_prefill
             and not (owns_kv and b"kv_transfer_params" in body)
+            and b"ec_transfer_params" not in body
             and _scannable(body)
             and not surface.may_hold_media(body)
         ):
@@ -156,7 +158,15 @@ class Pipeline:
                     refused_transfer_field(decoded[0], owns_kv=owns_kv, prefilled=False)
             return None
         refused_transfer_field(request.fields, owns_kv=owns_kv, prefilled=with_prefill)
-        if not (request.media or request.references or with_prefill):
+        if not (
+            request.media
+            or request.references
+            # A reference by uuid alone: the engine gets a multimodal item all the same.
+            or request.referenced_modalities
+            or with_prefill
+            # vLLM hands the engine only a value that is truthy (to_sampling_params).
+            or request.fields.get(EC_TRANSFER_PARAMS)
+        ):
             return None
         self.stats.stage("parse", time.perf_counter() - started)
         return request

@@ -14,8 +14,12 @@ import httpx
 import pytest
 
 from .fakes import (
+    MODEL,
     TEST_MODELS,
+    FakeEncoders,
+    FakeEngine,
     app_with_encoder_handler,
+    build_app,
     chat_body,
     encoder_reply,
     image,
@@ -23,6 +27,8 @@ from .fakes import (
     models_answer,
     reported_entries,
 )
+from .test_hostile_clients import post as post_to
+from .test_hostile_clients import recording_route
 from .test_middleware import E0, E1, E2, png, post
 from .test_resilience import _middleware
 
@@ -397,3 +403,54 @@ async def test_an_encoder_whose_canary_passes_while_real_calls_fail_costs_client
     for seed in range(9):
         assert (await post(middleware, chat_body(image(png(seed))))).status_code == 200
     assert states(middleware)[E0]["ejections_averted"] >= 1
+
+
+# --- the engine: what reaches it unchecked, or read otherwise --------------------------------------------
+
+FORGED = {"consumer_zmq": "tcp://203.0.113.9:5555", "ec_items": [{"transfer_id": "victims-id"}]}
+UUID_ONLY = {"type": "image_url", "image_url": None, "uuid": "0123456789abcdef0123456789abcdef"}
+PIL_UUID_ONLY = {"image_pil": None, "uuid": "0123456789abcdef0123456789abcdef"}
+
+
+def fake_pd(**options: Any) -> tuple[Any, FakeEngine, FakeEncoders]:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, **options)
+    for path in ("/v1/chat/completions/batch",):
+        app.router.routes.append(recording_route(engine, path))
+    return app, engine, encoders
+
+
+def with_parts(path: str, *parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A body of ``path``'s surface whose user message holds ``parts`` (Responses: an input item)."""
+    content = [{"type": "text", "text": "Describe."}, *parts]
+    if path == "/v1/responses":
+        return {"model": MODEL, "input": [{"role": "user", "content": content}], **fields}
+    if path == "/v1/chat/completions/batch":
+        return {"model": MODEL, "messages": [[{"role": "user", "content": content}]], **fields}
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+SURFACES = ["/v1/chat/completions", "/v1/responses", "/v1/chat/completions/batch"]
+
+
+@pytest.mark.parametrize("path", SURFACES)
+@pytest.mark.parametrize(
+    "part",
+    [UUID_ONLY, PIL_UUID_ONLY, {"type": "text", "text": "no media"}],
+    ids=["image_url", "image_pil", "text"],
+)
+async def test_a_clients_transfer_params_never_reach_the_engine_beside_a_reference_by_uuid(
+    path: str, part: dict[str, Any]
+) -> None:
+    """Item 6's rule held only for requests the middleware handled: a request whose only media is a
+    part that refers to earlier media by uuid alone (vLLM resolves it from its processor cache; the
+    engine then has a multimodal feature to transfer) went to the engine byte for byte, the client's
+    ``ec_transfer_params`` with it: ECCPUConnector reads a per-hash entry's ``peer_host`` to fetch the
+    embedding from, Mooncake claims and cancels pushes by the client's transfer ids. Now every
+    intercepted body that sets them is parsed, and none of them reaches the engine (text only
+    included, where they would steer nothing today)."""
+    app, engine, _ = fake_pd()
+    response = await post_to(app, with_parts(path, part, ec_transfer_params=FORGED), path)
+    assert response.status_code == 200
+    [received] = engine.received
+    assert "ec_transfer_params" not in received.json
