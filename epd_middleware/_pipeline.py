@@ -24,6 +24,7 @@ import anyio.abc
 
 from ._blame import Ledger
 from ._checks import (
+    check_by_uuid_alone,
     check_cache_salt,
     check_client_uuids,
     check_media_budget,
@@ -223,6 +224,7 @@ class Pipeline:
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
         references = check_references(surface, request, context.host, self.stats)
+        check_by_uuid_alone(surface, request, context.host)
         if config.trust_client_uuid and surface.pins_uuids:  # EncodeStage makes such a uuid the hash
             check_client_uuids(surface, request)
         if context.host.media_policy is not None:

@@ -454,3 +454,38 @@ async def test_a_clients_transfer_params_never_reach_the_engine_beside_a_referen
     assert response.status_code == 200
     [received] = engine.received
     assert "ec_transfer_params" not in received.json
+
+
+@pytest.mark.parametrize("path", SURFACES)
+@pytest.mark.parametrize(
+    "parts",
+    [[UUID_ONLY], [PIL_UUID_ONLY], [image(png(1)), UUID_ONLY]],
+    ids=["reference", "image_pil", "with-an-image"],
+)
+async def test_on_a_mooncake_consumer_a_reference_by_uuid_alone_is_refused_at_once(
+    path: str, parts: list[dict[str, Any]]
+) -> None:
+    """Item 2's rule missed one path: a part referring to earlier media by uuid alone is raw media to
+    the engine (vLLM resolves it from its processor cache), which on a Mooncake consumer waits the whole
+    push wait for a push nobody was asked for (the middleware encodes nothing for it, and keeps the
+    request's other items of that modality raw too) and answers a bare 500. It went to the engine;
+    now the client gets a 400 at once, before any encoder call."""
+    from .test_handoff import mooncake_consumer
+
+    app, engine, encoders = fake_pd(host=mooncake_consumer(policy="error"))
+    with anyio.fail_after(5):
+        response = await post_to(app, with_parts(path, *parts), path)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "by its uuid alone" in error["message"]
+    assert error["param"] == ("input" if path == "/v1/responses" else "messages")
+    assert engine.received == []
+    assert encoders.calls == []
+
+
+async def test_elsewhere_a_reference_by_uuid_alone_still_goes_to_vllm() -> None:
+    """Held (the mend's other side): a server that encodes media itself takes such a reference from its
+    processor cache, as vLLM does."""
+    app, engine, _ = fake_pd()
+    assert (await post_to(app, with_parts("/v1/chat/completions", UUID_ONLY))).status_code == 200
+    assert engine.received[0].json["messages"][0]["content"][1] == UUID_ONLY
