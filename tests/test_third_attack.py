@@ -489,3 +489,38 @@ async def test_elsewhere_a_reference_by_uuid_alone_still_goes_to_vllm() -> None:
     app, engine, _ = fake_pd()
     assert (await post_to(app, with_parts("/v1/chat/completions", UUID_ONLY))).status_code == 200
     assert engine.received[0].json["messages"][0]["content"][1] == UUID_ONLY
+
+
+async def test_an_image_in_a_responses_assistant_item_vllm_keeps_whole_is_encoded() -> None:
+    """vLLM keeps an assistant item's first text only, but an item whose content does not start with a
+    text (its first part has no "text") it passes on whole, media included
+    (``responses/utils.py`` ``_construct_message_from_response_item``), and the chat parser reads media
+    in assistant messages too. The middleware skipped every assistant item: such an image reached the
+    engine unseen (PD encoded it itself; on a Mooncake consumer it waited the push wait), and no media
+    policy, budget or encoder saw it. Now it is found and encoded like any other."""
+    app, engine, encoders = fake_pd()
+    picture = {"type": "input_image", "image_url": f"data:image/png;base64,{png(3)}"}
+    body = {
+        "model": MODEL,
+        "input": [
+            {"role": "assistant", "content": [picture]},
+            {"role": "user", "content": [{"type": "input_text", "text": "and this one?"}]},
+        ],
+    }
+    assert (await post_to(app, body, "/v1/responses")).status_code == 200
+    assert len(encoders.calls) == 1
+    [received] = engine.received
+    sent = received.json["input"][0]["content"][0]
+    assert sent["uuid"] == encoders.calls[0].body["messages"][0]["content"][0]["uuid"]
+    assert received.json["ec_transfer_params"]
+
+
+async def test_an_image_after_an_assistant_items_first_text_is_left_as_vllm_drops_it() -> None:
+    """Held: an assistant item that starts with a text keeps that text alone in vLLM; its image is
+    dropped, so no encoder is called for it."""
+    app, _engine, encoders = fake_pd()
+    picture = {"type": "input_image", "image_url": f"data:image/png;base64,{png(3)}"}
+    said = {"type": "output_text", "text": "a cat"}
+    body = {"model": MODEL, "input": [{"role": "assistant", "content": [said, picture]}]}
+    assert (await post_to(app, body, "/v1/responses")).status_code == 200
+    assert encoders.calls == []
