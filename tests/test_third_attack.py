@@ -46,9 +46,11 @@ class Encoders:
     ``chat`` (body, request) -> response, which may wait. Counts the canaries and /health probes each
     server got."""
 
-    def __init__(self, chat: Any, canary_takes: float = 0.01) -> None:
+    def __init__(self, chat: Any, canary_takes: float = 0.01, *, broken: bool = False) -> None:
         self.chat = chat
         self.canary_takes = canary_takes
+        # A broken server: its canary fails as its clients' calls do.
+        self.broken = broken
         self.canaries: dict[str, int] = {}
         self.health: dict[str, int] = {}
         self.calls: dict[str, int] = {}
@@ -64,8 +66,10 @@ class Encoders:
         if is_canary(body):
             self.canaries[server] = self.canaries.get(server, 0) + 1
             await anyio.sleep(self.canary_takes)  # an encode takes a while
-            return encoded(body, request)
-        self.calls[server] = self.calls.get(server, 0) + 1
+            if not self.broken:
+                return encoded(body, request)
+        else:
+            self.calls[server] = self.calls.get(server, 0) + 1
         result = self.chat(server, body, request)
         if not isinstance(result, httpx.Response):
             result = await result
@@ -86,8 +90,9 @@ def vllm_500(message: str) -> httpx.Response:
 
 
 def pil_failure() -> httpx.Response:
-    """vLLM's 500 for bytes PIL cannot read: its message names a Python object's address, another on
-    every call and every server."""
+    """A 500 whose message differs on every call and every server: PIL's "cannot identify image file"
+    naming a Python object's address, as a server that does not strip it gives it (vLLM 0.32's
+    sanitize_message does; another version, a proxy, or a message with a per-server id differs)."""
     return vllm_500(f"cannot identify image file <_io.BytesIO object at 0x7f{secrets.token_hex(5)}>")
 
 
@@ -283,8 +288,8 @@ async def test_under_forward_authorization_the_canary_carries_a_key_the_encoders
 
 
 async def test_failures_that_differ_on_every_server_eject_no_healthy_encoder() -> None:
-    """Held: bytes PIL cannot read fail with a message naming an object's address, another on every call,
-    so no two servers ever agree. Each request still costs one server one failure (the others are
+    """Held: a request whose failure reads differently on every server (``pil_failure``), so no two
+    servers ever agree. Each request still costs one server one failure (the others are
     capped), and a server that reaches eject_after proves itself with a canary and stays."""
 
     def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
@@ -524,3 +529,99 @@ async def test_an_image_after_an_assistant_items_first_text_is_left_as_vllm_drop
     body = {"model": MODEL, "input": [{"role": "assistant", "content": [said, picture]}]}
     assert (await post_to(app, body, "/v1/responses")).status_code == 200
     assert encoders.calls == []
+
+
+# --- internal addresses in answers ------------------------------------------------------------------------
+
+
+def surface_body(path: str, data: str) -> dict[str, Any]:
+    """A one-image request of ``path``'s surface."""
+    if path == "/v1/messages":
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+        return {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [block]}]}
+    return with_parts(path, image(data))
+
+
+def answering(status: int, content: Any) -> Any:
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if isinstance(content, bytes):
+            return httpx.Response(status, content=content)
+        return httpx.Response(status, json=content)
+
+    return chat
+
+
+async def refusing(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("[Errno 111] Connection refused to 10.0.3.7:8001", request=request)
+
+
+async def hanging(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+    await anyio.sleep(10)
+    raise AssertionError("unreachable")
+
+
+FAILURES = {
+    "500": answering(500, {"error": {"message": "EngineCore died at 10.0.3.7", "code": 500}}),
+    "502 html": answering(502, b"<html>bad gateway enc-0.svc.cluster.local</html>"),
+    "404": answering(404, {"error": {"message": "The model `x` does not exist.", "code": 404}}),
+    "413": answering(413, {"error": {"message": "too large", "code": 413}}),
+    "429": answering(429, {"error": {"message": "slow down", "code": 429}}),
+    "not json": answering(200, b"<html>enc-0</html>"),
+    "no handle": answering(200, {"ec_transfer_params": {"a": {"metadata": {"x": 1}}, "b": {"metadata": {}}}}),
+    "hang": hanging,
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("failure", [*FAILURES, "refused", "ejected", "overloaded"])
+async def test_no_answer_names_an_encoder_or_its_address(path: str, failure: str) -> None:
+    """Held: every error path (every encoder failure, an empty pool's 503 with Retry-After, the pending
+    limit's 503), on chat, Messages and Responses: the client reads the role and the reason, never an
+    encoder's URL, its host name or the address in a transport error; nor do the headers."""
+    handler: Any = Encoders(FAILURES.get(failure, answering(500, {"error": {"message": "x"}})), broken=True)
+    if failure == "refused":
+        handler = refusing
+    options: dict[str, Any] = {
+        "encoder_timeout": 0.1,
+        "health_check_timeout": 0.1,
+        "health_check_interval": 0,
+    }
+    if failure == "ejected":
+        options["eject_after"] = 1
+    if failure == "overloaded":
+        options["max_pending_requests"] = 1
+    app, _engine = app_with_encoder_handler(handler, encoders=[E0, E1], **options)
+    middleware = app.build_middleware_stack()
+    answers = []
+    if failure == "overloaded":
+        release = anyio.Event()
+
+        async def held(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+            await release.wait()
+            return encoded(body, request)
+
+        handler.chat, handler.broken = held, False
+        async with anyio.create_task_group() as group:
+            group.start_soon(post_to, middleware, surface_body(path, png(1)), path)
+            await anyio.sleep(0.05)
+            answers.append(await post_to(middleware, surface_body(path, png(2)), path))
+            release.set()
+    else:
+        for seed in range(3):
+            answers.append(await post_to(middleware, surface_body(path, png(seed)), path))
+    assert any(answer.status_code >= 400 for answer in answers)
+    for answer in answers:
+        seen = answer.text + json.dumps(dict(answer.headers))
+        for secret in ("enc-0", "enc-1", "8001", "10.0.3.7", "cluster.local"):
+            assert secret not in seen, (failure, seen)
+
+
+def test_a_500_without_vllms_type_is_named_as_vllm_names_it() -> None:
+    """The request's own answer keeps vLLM's status; where the server gave no type (a proxy's body), the
+    type is named after the status as vLLM names it. For 500 that gave "InternalServerErrorError" (the
+    phrase already ends in "Error"); vLLM says "InternalServerError"."""
+    from epd_middleware.errors import UpstreamRejected
+
+    assert UpstreamRejected(E0, 500, "upstream exploded").error_type == "InternalServerError"
+    assert UpstreamRejected(E0, 503, "busy").error_type == "ServiceUnavailableError"
+    assert UpstreamRejected(E0, 499, "gone").error_type == "ClientError"
