@@ -211,7 +211,9 @@ def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, 
             raise UpstreamStatusError(server, status, detail, role=role)
         if 400 <= status < 500:
             raise UpstreamRejected(server, status, detail, role=role)
-        raise UpstreamStatusError(server, status, role=role)
+        # 1xx, another 2xx, 3xx: no answer and no error, so nothing it says is about the request (never
+        # a status to hand a client, as a failure "the same" on two servers would be).
+        raise UpstreamBadReply(server, f"HTTP {status}, which is no answer", role=role)
     try:
         reply = _decode_reply(content)
     except (msgspec.DecodeError, RecursionError):

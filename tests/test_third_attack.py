@@ -625,3 +625,24 @@ def test_a_500_without_vllms_type_is_named_as_vllm_names_it() -> None:
     assert UpstreamRejected(E0, 500, "upstream exploded").error_type == "InternalServerError"
     assert UpstreamRejected(E0, 503, "busy").error_type == "ServiceUnavailableError"
     assert UpstreamRejected(E0, 499, "gone").error_type == "ClientError"
+
+
+@pytest.mark.parametrize("status", [204, 302, 304, 100])
+async def test_a_status_that_is_no_error_never_becomes_the_clients_answer(status: int) -> None:
+    """Two encoders (or a proxy before them) answering a request with a status that is no error and no
+    answer (204, a redirect, 304, 1xx) "fail the same way", and the second proves healthy: the request
+    was judged at fault and the client got that status, with a JSON body after a 204 or 304 (which
+    HTTP forbids: servers abort such a response) or a 1xx as a final answer. Such a status says
+    nothing about the request: it is the servers' bad answer, 502."""
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        if carries(body, png(66)):
+            return httpx.Response(status, headers={"location": "http://10.0.3.7/"})
+        return encoded(body, request)
+
+    app, _engine = app_with_encoder_handler(Encoders(chat), encoders=[E0, E1], health_check_interval=0)
+    middleware = app.build_middleware_stack()
+    response = await post(middleware, chat_body(image(png(66))))
+    assert response.status_code == 502
+    assert response.json()["error"]["message"].startswith("an encoder failed: HTTP")
+    assert "location" not in response.headers
