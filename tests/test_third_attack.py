@@ -646,3 +646,158 @@ async def test_a_status_that_is_no_error_never_becomes_the_clients_answer(status
     assert response.status_code == 502
     assert response.json()["error"]["message"].startswith("an encoder failed: HTTP")
     assert "location" not in response.headers
+
+
+def escaped(body: dict[str, Any], *names: str) -> bytes:
+    """``body`` as JSON with each of ``names`` spelled with a ``\\u`` escape for its underscore."""
+    raw = json.dumps(body)
+    for name in names:
+        raw = raw.replace(f'"{name}"', '"' + name.replace("_", "\\u005f") + '"')
+    return raw.encode()
+
+
+@pytest.mark.parametrize("path", SURFACES)
+async def test_transfer_params_spelled_with_escapes_are_dropped_all_the_same(path: str) -> None:
+    """Held: ``ec_transfer_params`` spelled ``ec\\u005ftransfer\\u005fparams`` (any byte scan misses it;
+    vLLM's json reads the same key), beside an image, a reference by uuid, or text alone: none of it
+    reaches the engine."""
+    for parts in ([image(png(1))], [UUID_ONLY], []):
+        app, engine, _ = fake_pd()
+        raw = escaped(with_parts(path, *parts, ec_transfer_params=FORGED), "ec_transfer_params")
+        assert b"ec_transfer_params" not in raw
+        assert (await post_to(app, raw, path)).status_code == 200
+        assert "victims-id" not in engine.received[0].body.decode()
+
+
+@pytest.mark.parametrize("path", [*SURFACES, "/v1/messages"])
+async def test_vllm_xargs_setting_transfer_params_are_refused_in_any_spelling(path: str) -> None:
+    """Held: ``vllm_xargs`` carrying ``ec_transfer_params`` (vLLM copies it into the engine request where
+    the body's own is empty), plain or with its keys escaped, with or without media, on every surface
+    that reads it: 400 naming vllm_xargs, nothing reaches the engine."""
+    for parts in ([image(png(1))], []):
+        body = (
+            surface_body(path, png(1))
+            if path == "/v1/messages" and parts
+            else with_parts(path, *parts)
+            if path != "/v1/messages"
+            else {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        body["vllm_xargs"] = {"ec_transfer_params": "tcp://203.0.113.9:1"}
+        for raw in (json.dumps(body).encode(), escaped(body, "vllm_xargs", "ec_transfer_params")):
+            app, engine, encoders = fake_pd()
+            response = await post_to(app, raw, path)
+            assert response.status_code == 400
+            assert engine.received == []
+            assert encoders.calls == []
+
+
+async def test_duplicate_keys_are_read_as_vllm_reads_them() -> None:
+    """Held: a body with a key twice (``messages`` with an image, then text only; ``ec_transfer_params``
+    twice) is read with the last value winning, as vLLM's json reads it, so the middleware never
+    checks one value while the engine gets another."""
+    app, engine, encoders = fake_pd()
+    media = json.dumps([{"role": "user", "content": [image(png(1))]}])
+    text = json.dumps([{"role": "user", "content": "hi"}])
+    raw = (
+        f'{{"model": "{MODEL}", "messages": {text}, "ec_transfer_params": {json.dumps(FORGED)}, '
+        f'"messages": {media}, "ec_transfer_params": {{}}}}'
+    ).encode()
+    assert (await post_to(app, raw)).status_code == 200
+    assert len(encoders.calls) == 1
+    received = engine.received[0].json
+    assert received["messages"][0]["content"][0]["type"] == "image_embeds"
+    assert "victims-id" not in engine.received[0].body.decode()
+
+
+# --- crashes and hangs ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b'{"error": ' * 5000 + b"1" + b"}" * 5000,
+        b'{"error": {"message": ' + b"[" * 5000 + b"]" * 5000 + b"}}",
+        b'{"error": {"message": "x", "type": ' + b"[" * 3000 + b"]" * 3000 + b"}}",
+    ],
+    ids=["nested-error", "nested-message", "nested-type"],
+)
+async def test_error_bodies_nested_past_any_stack_crash_nothing(answer: bytes) -> None:
+    """Held: encoders answering 500 with bodies nested thousands deep, on both servers (so they are
+    compared, and the request may be judged from them): the client gets a clean error, no 500."""
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, content=answer)
+
+    app, _engine = app_with_encoder_handler(Encoders(chat), encoders=[E0, E1], health_check_interval=0)
+    response = await post(app, chat_body(image(png(1))))
+    assert response.status_code in (500, 502)
+    assert response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"ec_transfer_params": [1, 2]},
+        {"ec_transfer_params": {"epd-canary-v1": {"item_indices": ["x"], "metadata": 5}}},
+        {"ec_transfer_params": {"a" * 300: {"metadata": {"g": [1]}}, "b": {"metadata": {"g": [1]}}}},
+        [],
+    ],
+    ids=["list", "bad-entry", "two-entries", "not-an-object"],
+)
+async def test_a_canary_answered_with_garbage_fails_the_proof_and_nothing_else(reply: Any) -> None:
+    """Held: the canary's answer is read as every encoder answer is: garbage fails the proof (the server
+    is counted, and ejected once confirmed), never the request with a 500."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        if is_canary(body):
+            return httpx.Response(200, json=reply)
+        return vllm_500("EngineCore died")
+
+    app, _engine = app_with_encoder_handler(handler, encoders=[E0], eject_after=1, check_models=False)
+    middleware = app.build_middleware_stack()
+    response = await post(middleware, chat_body(image(png(1))))
+    assert response.status_code == 502
+    assert healthy(middleware) == []
+
+
+async def test_a_client_leaving_during_a_confirmation_leaves_no_server_unejectable() -> None:
+    """Held: the request whose failure started an ejection's confirmation is cancelled (its client left)
+    while the canary runs; the server is not left marked "confirming" (which would stop every later
+    confirmation), so the next request's failures still eject it."""
+    canary_started = anyio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content)
+        if is_canary(body):
+            canary_started.set()
+            await anyio.sleep(0.5)
+        return vllm_500("EngineCore died")
+
+    app, _engine = app_with_encoder_handler(
+        handler, encoders=[E0], eject_after=1, check_models=False, health_check_timeout=0.2
+    )
+    middleware = app.build_middleware_stack()
+    async with anyio.create_task_group() as group:
+        group.start_soon(post, middleware, chat_body(image(png(1))))
+        await canary_started.wait()
+        group.cancel_scope.cancel()
+    assert states(middleware)[E0]["healthy"]  # not decided: its confirmation was cut short
+    assert (await post(middleware, chat_body(image(png(2))))).status_code == 502
+    assert healthy(middleware) == []
+
+
+async def test_a_responses_assistant_item_of_unreadable_shape_is_a_400_not_a_500() -> None:
+    """Held (the mend's edge): an assistant item whose first part is not an object, beside an image: vLLM
+    would read it with .get(); the middleware refuses it (400), never a 500, nothing reaches the engine."""
+    app, engine, encoders = fake_pd()
+    picture = {"type": "input_image", "image_url": f"data:image/png;base64,{png(3)}"}
+    body = {"model": MODEL, "input": [{"role": "assistant", "content": ["text", picture]}]}
+    response = await post_to(app, body, "/v1/responses")
+    assert response.status_code == 400
+    assert engine.received == []
+    assert encoders.calls == []
