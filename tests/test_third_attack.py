@@ -801,3 +801,97 @@ async def test_a_responses_assistant_item_of_unreadable_shape_is_a_400_not_a_500
     assert response.status_code == 400
     assert engine.received == []
     assert encoders.calls == []
+
+
+# --- more of the same, and what bounds them ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions/batch"])
+async def test_a_reference_removed_during_a_slow_call_never_reaches_the_engine_on_other_surfaces(
+    path: str, tmp_path: Any
+) -> None:
+    """Held: item 3's re-check at hand-off on Responses and batch too (a cleanup removes a client's
+    referenced embedding while an image of the same request is being encoded): 400, nothing reaches the
+    engine (whose core would die on it)."""
+    import shutil
+
+    from .test_hostile_clients import inside_vllm, reference, stored
+
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, tmp_path)
+    app.router.routes.append(recording_route(engine, "/v1/chat/completions/batch"))
+    identifier = "d" * 64
+    stored(tmp_path, identifier)
+    encoders.pause, encoders.started = 0.3, anyio.Event()
+    answers: list[httpx.Response] = []
+
+    async def send() -> None:
+        answers.append(await post_to(app, with_parts(path, reference(identifier), image(png(1))), path))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(send)
+        await encoders.started.wait()
+        shutil.rmtree(tmp_path / identifier)
+    assert answers[0].status_code == 400
+    assert "no longer has" in answers[0].json()["error"]["message"]
+    assert engine.received == []
+
+
+async def test_a_client_costs_a_server_with_a_failing_canary_one_canary_per_request_at_most() -> None:
+    """Held, measured (canary amplification where proofs fail and are not kept): a client repeating a
+    request that fails the same way on both encoders, where the second fails its canary, costs that
+    server at most one canary per request, one request at a time or many at once, and it leaves the pool
+    once its own failures are confirmed."""
+
+    def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
+        return vllm_500("cannot identify image file") if carries(body, png(66)) else encoded(body, request)
+
+    encoders = Encoders(chat, canary_takes=0.05, broken=True)
+    app, _engine = app_with_encoder_handler(encoders, encoders=[E0, E1], health_check_interval=0)
+    middleware = app.build_middleware_stack()
+    for _ in range(5):
+        await post(middleware, chat_body(image(png(66))))
+    async with anyio.create_task_group() as group:
+        for _ in range(20):
+            group.start_soon(post, middleware, chat_body(image(png(66))))
+    assert sum(encoders.canaries.values()) <= 25
+    assert sum(encoders.calls.values()) <= 2 * 25
+
+
+async def test_an_engine_500_costs_the_encoders_a_bounded_number_of_encodes() -> None:
+    """Held: a request the engine answers 500 before any byte is encoded again engine_retries times, no
+    more (a client cannot loop the encoders with a request that breaks the engine)."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, engine_retries=2)
+    engine.fail_next = 10
+    response = await post(app, chat_body(image(png(1))))
+    assert response.status_code == 500
+    assert len(encoders.calls) == 3
+    assert len(engine.received) == 3
+
+
+async def test_a_server_that_breaks_right_after_proving_itself_leaves_within_a_proof_window() -> None:
+    """Held, bounded (the proof cache): a proof of health is taken on trust for one health-check
+    interval, so a server that breaks right after proving itself is kept through confirmations within
+    that window; once it ends, the next confirmation finds it broken and it leaves the pool."""
+    broken = {"now": False}
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(500 if broken["now"] else 200)
+        body = json.loads(request.content)
+        if is_canary(body) and not broken["now"]:
+            return encoded(body, request)
+        return vllm_500("EngineCore died")
+
+    app, _engine = app_with_encoder_handler(
+        handler, encoders=[E0, E1], eject_after=1, check_models=False, health_check_interval=0.3
+    )
+    middleware = app.build_middleware_stack()
+    await post(middleware, chat_body(image(png(1))))  # both fail, both prove healthy: kept
+    assert healthy(middleware) == [E0, E1]
+    broken["now"] = True
+    await anyio.sleep(0.35)
+    for seed in (2, 3):  # a request costs one server one failure: two requests, two servers
+        await post(middleware, chat_body(image(png(seed))))
+    assert healthy(middleware) == []
