@@ -895,3 +895,46 @@ async def test_a_server_that_breaks_right_after_proving_itself_leaves_within_a_p
     for seed in (2, 3):  # a request costs one server one failure: two requests, two servers
         await post(middleware, chat_body(image(png(seed))))
     assert healthy(middleware) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="left: a client's *_embeds parts are trusted for their shape (see the docstring); mending it "
+    "is a design decision (refuse client embeds by default, or check shapes per model)",
+)
+async def test_a_client_reference_with_a_grid_its_embedding_does_not_have_never_reaches_the_engine(
+    tmp_path: Any,
+) -> None:
+    """Defect left: the PD must run with --enable-mm-embeds for the middleware's rewrite, which vLLM
+    documents as "the engine may crash if incorrect shape of embeddings is passed; only for trusted
+    users". A client reference to an embedding that exists (the canary's own, ``epd-canary-v1``, is
+    always there once a canary ran; any image the client sent is stored under a content uuid it can
+    compute) passes the presence check whatever its ``image_grid_thw`` says; a grid larger than the
+    stored tensor makes the engine merge fewer embeddings than placeholders, a ValueError in the model
+    runner that kills the engine core for everyone. Only presence is checked, never the shape."""
+    from .test_hostile_clients import inside_vllm, reference, stored
+
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, tmp_path)
+    stored(tmp_path, "epd-canary-v1")  # a canary of 56 x 56 pixels: image_grid_thw [1, 4, 4]
+    lie = reference("epd-canary-v1")
+    lie["image_embeds"] = {"image_grid_thw": [1, 200, 200]}
+    response = await post_to(app, chat_body(lie))
+    assert response.status_code == 400
+    assert engine.received == []
+
+
+@pytest.mark.parametrize("key", [None, "Bearer wrong", "bearer  good", "Basic good"])
+async def test_the_status_page_names_no_server_without_the_key(key: str | None) -> None:
+    """Held: /epd/status (which names every encoder) answers 401 without a key the server takes, in any
+    near-miss spelling of one, and POST gets 405; with the key it answers."""
+    from .test_hostile_clients import get
+
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, api_keys=["good"])
+    headers = {"authorization": key} if key is not None else {}
+    response = await get(app, "/epd/status", **headers)
+    assert response.status_code == 401
+    assert "enc-0" not in response.text
+    assert (await post_to(app, {}, "/epd/status", authorization="Bearer good")).status_code == 405
+    assert (await get(app, "/epd/status", authorization="Bearer good")).status_code == 200
