@@ -158,6 +158,8 @@ class _PoolMetrics:
             self.call_seconds,
             self.failovers,
             self.foreign_answers,
+            self.failures,
+            self.ejection_checks,
             self.healthy,
             self.model_ok,
             self.in_flight,
@@ -272,12 +274,12 @@ class Stats:
 
     def blame(self, role: str, server: str, blame: str) -> None:
         self.counters[f"{role}_failures_blamed_{blame}"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].failures, server, blame).inc()
 
     def ejection_check(self, role: str, server: str, result: str) -> None:
         self.counters[f"{role}_ejections_{result}"] += 1
-        if self._prom is not None:
+        if self._prom is not None and (role, server) not in self._departed:
             self._child(self._prom.pools[role].ejection_checks, server, result).inc()
 
     def foreign_answer(self, role: str, server: str) -> None:
@@ -312,9 +314,9 @@ class Stats:
 
     def forget(self, role: str, server: str) -> None:
         """A server left the pool: every series labelled with it goes (calls, failovers, foreign answers,
-        health, model, in flight), and stays gone until the pool exports its health again (it is back).
-        A gauge would otherwise keep its last value for ever, and the others grow with every address a
-        DNS name ever had."""
+        failures by blame, ejection checks, health, model, in flight), and stays gone until the pool
+        exports its health again (it is back). A gauge would otherwise keep its last value for ever, and
+        the others grow with every address a DNS name ever had."""
         if self._prom is None:
             return
         self._departed[(role, server)] = None
