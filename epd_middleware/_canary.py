@@ -13,8 +13,8 @@ import base64
 import functools
 import struct
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from ._handles import match_reply
 from ._plan import MediaItem
@@ -24,7 +24,7 @@ from ._upstream import Attempt
 from .errors import UpstreamBadReply
 from .transport import Body
 
-__all__ = ["CANARY_UUID", "canary"]
+__all__ = ["CANARY_UUID", "Canary", "canary"]
 
 _SIDE = 56
 # Pinned, so that the encoder reports it as the hash (no options) and the one file it writes under
@@ -62,11 +62,20 @@ _ITEM = MediaItem(
 )
 
 
-def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
+class Canary(NamedTuple):
+    """The canary call: each try of it (body and reading), and the headers it is sent with."""
+
+    attempt: Callable[[], Attempt[None]]
+    headers: Mapping[str, str]
+
+
+def canary(model: str, storage: str | None, authorization: str | None) -> Canary:
     """The canary call for encoders that serve ``model``: an image only, none of a client's options,
     its answer read as every encoder answer is (a handle for the item; under ``storage``, the embedding
-    where the local connector would look). Made for every request that may need it, so nothing is
-    built until a confirmation asks for it."""
+    where the local connector would look). ``authorization``: the key the request's own calls carry
+    (the client's, under ``forward_authorization``): the encoders just took it, and may take no other.
+    Made for every request that may need it, so its body is built only when a confirmation asks."""
+    headers = {"authorization": authorization} if authorization is not None else {}
 
     def read(server: str, reply: dict[str, Any]) -> None:
         handles = match_reply(server, (_ITEM,), reply.get(EC_TRANSFER_PARAMS))
@@ -77,7 +86,7 @@ def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
                 if not embedding_stored(storage, handle.mm_hash):
                     raise UpstreamBadReply(server, "the canary's embedding is not in the shared storage")
 
-    return lambda: Attempt(_body(model), read)
+    return Canary(lambda: Attempt(_body(model), read), headers)
 
 
 @functools.lru_cache(maxsize=16)

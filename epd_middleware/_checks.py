@@ -1,6 +1,7 @@
 """What is refused before any encoder or prefill call: a cache salt vLLM refuses, metadata-only parts a
-client wrote that name an embedding this server cannot confirm it has, client uuids trusted as hashes
-that are no file name, and media this server's own policy would not load."""
+client wrote that name an embedding this server cannot confirm it has, references by uuid alone where
+the engine cannot encode, client uuids trusted as hashes that are no file name, and media this server's
+own policy would not load."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .errors import MediaBudgetExceeded, MediaRefused, RefusedField, Unresolvabl
 from .host import Host
 
 __all__ = [
+    "check_by_uuid_alone",
     "check_cache_salt",
     "check_client_uuids",
     "check_media_budget",
@@ -67,6 +69,21 @@ def check_references(
             )
         confirmed.append((where, identifier))
     return tuple(confirmed)
+
+
+def check_by_uuid_alone(surface: Surface, request: ParsedRequest, host: Host) -> None:
+    """A part that refers to earlier media by its uuid alone is raw media to the engine (vLLM takes it
+    from its processor cache) that no encoder is asked for: where the engine cannot encode media itself
+    (a Mooncake consumer waits for a push of it, then fails), it is refused."""
+    blocker = host.local_encoding_blocker
+    if blocker is None or not request.referenced_modalities:
+        return
+    modalities = " and ".join(sorted(request.referenced_modalities))
+    raise UnresolvableReference(
+        f"the request refers to an earlier {modalities} by its uuid alone, which this server cannot serve "
+        f"({blocker}); send the media itself",
+        param=surface.field,
+    )
 
 
 def check_references_again(

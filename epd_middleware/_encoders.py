@@ -19,6 +19,7 @@ import anyio
 
 from . import _failover as failover
 from ._blame import Ledger
+from ._canary import Canary
 from ._handles import Handle, ItemKey, match_reply
 from ._plan import EncoderCall
 from ._pool import ServerPool
@@ -75,7 +76,7 @@ class EncodeJob(NamedTuple):
     # The request's failed calls, judged together (_blame.py).
     ledger: Ledger | None = None
     # The call that confirms an encoder's ejection besides its /health (_canary.py); None: /health alone.
-    canary: Callable[[], Attempt[None]] | None = None
+    canary: Canary | None = None
     # Why an item the encoder gives no handle for cannot stay raw for the engine (a Mooncake consumer's
     # engine would wait for its push): such an answer is then a bad one. None: it stays raw.
     raw_blocked: str | None = None

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import anyio
 
 from . import _selection as selection
-from ._canary import canary
+from ._canary import Canary, canary
 from ._context import RequestContext
 from ._encoders import EncodeJob, EncodeOutcome, encode
 from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_params
@@ -28,7 +28,6 @@ from ._rawjson import text_of
 from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from ._scheduler import Route
 from ._surfaces import ParsedRequest, Surface
-from ._upstream import Attempt
 from .config import EPDConfig
 
 __all__ = ["EncodeStage", "Encoded"]
@@ -301,12 +300,12 @@ class EncodeStage:
         return frozenset(unconfirmed)
 
 
-def _canary_of(request: ParsedRequest, context: RequestContext) -> Callable[[], Attempt[None]] | None:
+def _canary_of(request: ParsedRequest, context: RequestContext) -> Canary | None:
     """The canary that confirms an encoder's ejection for this request's calls: an image of the
-    request's model, where that is a name. It carries no push address, so under Mooncake an encoder
-    encodes it and pushes nothing (``mooncake/scheduler.py`` ``_prepare_push_spec`` skips a request
-    without ``consumer_zmq``)."""
+    request's model, where that is a name, with the key its calls carry. It carries no push address, so
+    under Mooncake an encoder encodes it and pushes nothing (``mooncake/scheduler.py``
+    ``_prepare_push_spec`` skips a request without ``consumer_zmq``)."""
     model = text_of(request.fields.get(MODEL))
     if not isinstance(model, str) or not model:
         return None
-    return canary(model, context.host.storage)
+    return canary(model, context.host.storage, context.authorization)

@@ -45,6 +45,10 @@ PART_KEY_ORDER: Final[tuple[str, ...]] = (
     "video_url",
 )
 
+# Part kinds vLLM counts as raw media of a modality whose media never travels in JSON (a PIL image: the
+# offline API's): in a request body such a part refers to earlier media by its uuid alone.
+UUID_ONLY_PARTS: Final[dict[str, str]] = {"image_pil": "image"}
+
 # Modalities sent one item per encoder request; images are batched.
 UNBATCHED_MODALITIES: Final[frozenset[str]] = frozenset({"audio", "video"})
 
