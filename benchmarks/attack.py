@@ -27,7 +27,7 @@ attacks side by side (matplotlib: the ``bench`` extra).
 
 Service times. Full-scale figures from shared/design/placement-costs.md (Qwen2.5-VL-7B class; the
 A100 rows where there is one), all multiplied by ``--scale`` (default 0.25, so that a 60 s run has
-~1,700 honest requests while the honest latency stays ~20x the loopback's own cost on this 2-core
+~1,700 honest requests while the honest latency stays over 10x the loopback's own cost on this 2-core
 machine; the ratios are what the figure is about, and they do not depend on the unit of time):
 
 - encoder call, fixed: 20 ms, concurrent (an encoder round trip "18-22 ms even on a cache hit",
