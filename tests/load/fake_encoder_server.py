@@ -2,12 +2,23 @@
 level: refuse connections, answer 500, hang, answer garbage, or drop the connection mid-response.
 
     python -m tests.load.fake_encoder_server PORT [--faults SECONDS] [--host ADDRESS] [--storage DIR]
-                                                  [--model NAME]
+                                                  [--model NAME] [--call-ms MS] [--image-ms MS]
+                                                  [--slots N] [--fetch-fail-ms MS]
 
 With --faults it cycles through every fault in turn, SECONDS each, and never answers correctly.
 With --storage it writes each embedding it reports where ECExampleConnector would
 (DIR/<hash>/encoder_cache.safetensors). ``GET /stats`` answers what it served (requests, items, body
-bytes). Only the standard library, so the misbehaviour is exactly what is written here.
+bytes, media failures, canary encodes). Only the standard library, so the misbehaviour is exactly what
+is written here.
+
+Media it cannot load gets vLLM 0.32's answer, as every real encoder gives it: a data URL that is not
+base64 501 "Only base64 data URLs are supported for now." (NotImplementedError, at once), an image host
+ending in ``.invalid`` 500 with aiohttp's "Cannot connect to host HOST:PORT ssl:default [Name or service
+not known]" (InternalServerError) after --fetch-fail-ms, the time vLLM's fetch retries take. The name is
+never looked up: the fake reads only the string.
+
+Service time (all 0 by default: answers at once): --call-ms per call, concurrent (the API server's part
+of a call), then --image-ms per image in one of --slots encode slots (the ViT: one batch at a time).
 """
 
 from __future__ import annotations
@@ -20,6 +31,30 @@ import sys
 import time
 
 FAULTS = ("refuse", "500", "hang", "garbage", "drop")
+# The middleware's canary encode (epd_middleware/_canary.py), counted apart in /stats.
+CANARY_UUID = "epd-canary-v1"
+NOT_BASE64 = "Only base64 data URLs are supported for now."
+
+
+def media_failure(body: dict) -> tuple[int, dict] | None:
+    """vLLM 0.32's answer to a request whose media it cannot load (multimodal/media/connector.py
+    ``_load_data_url``, aiohttp's ClientConnectorDNSError as ``_wrap_media_fetch_error`` lets it out;
+    status and type from entrypoints/serve/exception_handling/error_response.py); None when it loads."""
+    for part in body["messages"][0]["content"]:
+        url = (part.get("image_url") or {}).get("url", "")
+        if url[:5].lower() == "data:" and not url.partition(",")[0].endswith(";base64"):
+            return 501, vllm_error(NOT_BASE64, "NotImplementedError", 501)
+        scheme, _, rest = url.partition("://")
+        host, _, port = rest.split("/", 1)[0].rpartition("@")[2].partition(":")
+        if host.lower().endswith(".invalid"):
+            port = port or ("443" if scheme.lower() == "https" else "80")
+            said = f"Cannot connect to host {host}:{port} ssl:default [Name or service not known]"
+            return 500, vllm_error(said, "InternalServerError", 500)
+    return None
+
+
+def vllm_error(message: str, kind: str, status: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def derived_hash(model: str, uuid: str, body: dict) -> str:
@@ -43,7 +78,7 @@ def reply(body: dict, request_id: str = "random-id") -> bytes:
 
 
 def response(status: int, payload: bytes) -> bytes:
-    reason = {200: "OK", 500: "Internal Server Error"}[status]
+    reason = {200: "OK", 500: "Internal Server Error", 501: "Not Implemented"}[status]
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(payload)}\r\n\r\n"
@@ -53,14 +88,24 @@ def response(status: int, payload: bytes) -> bytes:
 
 class Encoder:
     def __init__(
-        self, port: int, phase: float | None, host: str = "127.0.0.1", storage: str | None = None
+        self,
+        port: int,
+        phase: float | None,
+        host: str = "127.0.0.1",
+        storage: str | None = None,
+        cost: dict[str, float] | None = None,
     ) -> None:
         self.port = port
         self.host = host
         self.phase = phase
         self.storage = storage
         self.models = ["m", "bench", "tiny-qwen2-vl"]
-        self.served = {"requests": 0, "items": 0, "bytes": 0}
+        self.served = {"requests": 0, "items": 0, "bytes": 0, "canaries": 0, "501": 0, "500": 0}
+        cost = cost or {}
+        self.call_s = cost.get("call_ms", 0.0) / 1000
+        self.image_s = cost.get("image_ms", 0.0) / 1000
+        self.fetch_fail_s = cost.get("fetch_fail_ms", 0.0) / 1000
+        self.slots = asyncio.Semaphore(int(cost.get("slots", 1)))
         self.started = time.monotonic()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
@@ -108,9 +153,16 @@ class Encoder:
                 mode = self.mode()
                 if mode == "ok":
                     request = json.loads(body)
-                    self.served["requests"] += 1
-                    self.served["items"] += len(request["messages"][0]["content"])
-                    self.served["bytes"] += len(body)
+                    failed = media_failure(request)
+                    if failed is not None:
+                        status, error = failed
+                        self.served[str(status)] += 1
+                        if status == 500:
+                            await asyncio.sleep(self.fetch_fail_s)
+                        writer.write(response(status, json.dumps(error).encode()))
+                        await writer.drain()
+                        continue
+                    await self.encode(request, len(body))
                     answer = reply(request, request_id)
                     if self.storage is not None:
                         self.store(json.loads(answer)["ec_transfer_params"])
@@ -133,6 +185,18 @@ class Encoder:
         finally:
             self.writers.discard(writer)
             writer.close()
+
+    async def encode(self, request: dict, size: int) -> None:
+        parts = request["messages"][0]["content"]
+        self.served["requests"] += 1
+        self.served["items"] += len(parts)
+        self.served["bytes"] += size
+        self.served["canaries"] += any(part.get("uuid") == CANARY_UUID for part in parts)
+        if self.call_s:
+            await asyncio.sleep(self.call_s)
+        if self.image_s:
+            async with self.slots:
+                await asyncio.sleep(self.image_s * len(parts))
 
     async def run(self) -> None:
         listening = True
@@ -159,7 +223,9 @@ if __name__ == "__main__":
     port = int(sys.argv[1])
     options = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     phase = float(options["--faults"]) if "--faults" in options else None
-    encoder = Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage"))
+    cost_flags = ("--call-ms", "--image-ms", "--slots", "--fetch-fail-ms")
+    cost = {flag[2:].replace("-", "_"): float(options[flag]) for flag in cost_flags if flag in options}
+    encoder = Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage"), cost)
     if "--model" in options:
         encoder.models = [options["--model"]]
     asyncio.run(encoder.run())
