@@ -33,6 +33,23 @@ def check_cache_salt(request: ParsedRequest) -> None:
         raise RefusedField(refusal, param=CACHE_SALT)
 
 
+def check_client_embeddings(surface: Surface, request: ParsedRequest, policy: str) -> None:
+    """Embeds parts a client wrote itself are refused unless the operator trusts clients with them
+    (``client_embeddings``). The middleware's rewrite needs vLLM's ``--enable-mm-embeds``, which vLLM
+    documents for trusted users only: the engine takes an embedding's shape as the part says, and one
+    that does not match its placeholders (a grid larger than the stored tensor, a tensor of another
+    width) crashes the engine core for every user. Presence can be checked here; the shape, which is
+    the model's, cannot."""
+    if policy == "trust" or not request.references:
+        return
+    first = request.references[0]
+    raise RefusedField(
+        f"the {first.kind} part at {surface.where(first.location)} is refused: this server takes "
+        "embeddings only from its own encoders (client_embeddings=refuse); send the media itself",
+        param=surface.field,
+    )
+
+
 def check_references(
     surface: Surface, request: ParsedRequest, host: Host, stats: Stats
 ) -> tuple[tuple[str, str], ...]:
@@ -43,6 +60,8 @@ def check_references(
     storage = host.storage
     confirmed: list[tuple[str, str]] = []
     for reference in request.references:
+        if reference.tensor:
+            continue  # it carries its embedding: nothing to look for
         where = f"the {reference.kind} part at {surface.where(reference.location)}"
         if reference.uuid is None:
             raise UnresolvableReference(

@@ -179,9 +179,9 @@ class Exchange:
     async def _answer(self, error: EPDError) -> None:
         """The middleware's own error, in the surface's language (Anthropic's on Messages), with the
         request id where vLLM's --enable-request-id-headers puts it on its answers; one line in the log
-        (a client's mistake at INFO, the rest at WARNING)."""
+        (a client's mistake at INFO, whatever its status; the rest at WARNING)."""
         logger.log(
-            logging.WARNING if error.status >= 500 else logging.INFO,
+            logging.WARNING if error.status >= 500 and not error.requests_fault else logging.INFO,
             "answered %d %s: %s",
             error.status,
             error.error_type,

@@ -94,7 +94,8 @@ async def call(
             if not failure.retryable:
                 if retract is not None:
                     pool.retract_failure(retract)
-                logger.info("%s; the request is at fault: not tried on another %s", failure.logged, role)
+                # The answer's own line says it (one line a bad request, however fast they come).
+                logger.debug("%s; the request is at fault: not tried on another %s", failure.logged, role)
                 raise failure from None
             last = failure
             why.append((server, failure.reason))

@@ -26,6 +26,7 @@ from ._blame import Ledger
 from ._checks import (
     check_by_uuid_alone,
     check_cache_salt,
+    check_client_embeddings,
     check_client_uuids,
     check_media_budget,
     check_media_policy,
@@ -226,6 +227,7 @@ class Pipeline:
         parts = len(request.media) + len(request.references)
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
+        check_client_embeddings(surface, request, config.client_embeddings)
         references = check_references(surface, request, context.host, self.stats)
         check_by_uuid_alone(surface, request, context.host)
         if config.trust_client_uuid and surface.pins_uuids:  # EncodeStage makes such a uuid the hash

@@ -204,10 +204,6 @@ def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, 
     if status != 200:
         detail = vllm_error(content)
         if status >= 500 or status in RETRYABLE_STATUSES:
-            if status >= 500 and detail is not None:
-                # Server errors may carry internals: the log gets them, the client only where the
-                # request is found at fault (then vLLM alone would have answered the same).
-                logger.warning("%s %s answered HTTP %d: %s", role, server, status, detail.message)
             raise UpstreamStatusError(server, status, detail, role=role)
         if 400 <= status < 500:
             raise UpstreamRejected(server, status, detail, role=role)

@@ -267,6 +267,16 @@ class EPDConfig(BaseModel):
         ge=0,
         description="Seconds sent in Retry-After with a 503.",
     )
+    client_embeddings: Literal["refuse", "trust"] = Field(
+        default="refuse",
+        description=(
+            "Embeds parts a client writes itself (image_embeds, audio_embeds, video_embeds: references "
+            "to stored embeddings, or tensors): 'refuse' (400); 'trust' takes them, a reference only "
+            "where its embedding is confirmed present. vLLM's --enable-mm-embeds, which the rewrite "
+            "needs, trusts their shape: one that does not match crashes the engine for every user, so "
+            "trust only clients you would give the engine to."
+        ),
+    )
     log_format: Literal["text", "json"] = Field(
         default="text",
         description=(
@@ -730,6 +740,7 @@ class EPDOptions(TypedDict, total=False):
     max_inflight_per_encoder: int
     max_pending_requests: int
     retry_after: int
+    client_embeddings: Literal["refuse", "trust"]
     log_format: Literal["text", "json"]
     expose_upstream_addresses: bool
     paths: Sequence[str]

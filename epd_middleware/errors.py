@@ -47,6 +47,9 @@ class EPDError(Exception):
     """An error answered to the client instead of calling the local engine."""
 
     status: int = 500
+    # The request itself is at fault, whatever the status (a 501 vLLM gives to what it cannot do): the
+    # log line of the answer is INFO, not a WARNING an operator has to act on.
+    requests_fault: bool = False
 
     def __init__(self, message: str, *, param: str | None = None, internal: str | None = None) -> None:
         super().__init__(internal or message)
@@ -269,6 +272,11 @@ class UpstreamStatusError(UpstreamError):
         )
         self.status_code = status_code
         self.detail = detail
+        if detail is not None and not shown and detail.message:
+            # Server errors may carry internals: the log reads them, the client only where the request
+            # is found at fault (then vLLM alone would have answered the same).
+            self.internal = f"{self.internal} ({detail.message})"
+            self.args = (self.internal,)
 
 
 class VllmError:
@@ -290,6 +298,7 @@ class UpstreamRejected(UpstreamError):
     retryable = False
     outcome = "rejected"
     blames_server = False
+    requests_fault = True
 
     def __init__(
         self,
@@ -331,6 +340,7 @@ class RequestTimedOut(UpstreamError):
     retryable = False
     outcome = "timeout"
     blames_server = False
+    requests_fault = True
 
 
 class UpstreamBadReply(UpstreamError):

@@ -94,13 +94,24 @@ def vllm_state(
 
 
 def inside_vllm(
-    encoders: FakeEncoders, engine: FakeEngine, storage: Path | None = None, lora: Any = None, **state: Any
+    encoders: FakeEncoders,
+    engine: FakeEngine,
+    storage: Path | None = None,
+    lora: Any = None,
+    client_embeddings: str = "trust",
+    **state: Any,
 ) -> Any:
     """The middleware inside a vLLM server that says what ``vllm_state`` holds (its Host, built as the
-    middleware builds it from the app's state)."""
+    middleware builds it from the app's state). These tests check what is done with references a client
+    is trusted to write (issue 20): ``client_embeddings`` is "trust" unless said; the middleware's own
+    default refuses every client embedding (issue 29)."""
     server = vllm_state(storage, **state)
     server.vllm_config.lora_config = lora
-    options: dict[str, Any] = {"health_check_interval": 0, "check_models": False}
+    options: dict[str, Any] = {
+        "health_check_interval": 0,
+        "check_models": False,
+        "client_embeddings": client_embeddings,
+    }
     host = Host.of_vllm(server.vllm_config, server.args, EPDConfig(encoders=encoders.urls, **options))
     app, _ = build_app(encoders, engine, host=host, **options)
     if storage is not None:
@@ -209,7 +220,8 @@ async def test_a_reference_the_middleware_cannot_confirm_is_refused(
     """Outside vLLM (no model path) an identifier under options cannot be derived; without storage there
     is nothing to look in; without a uuid vLLM makes an identifier no embedding has."""
     encoders, engine = FakeEncoders([E0]), FakeEngine()
-    app, _ = build_app(encoders, engine, **({"ec_storage_path": str(tmp_path)} if storage else {}))
+    storage_path = {"ec_storage_path": str(tmp_path)} if storage else {}
+    app, _ = build_app(encoders, engine, client_embeddings="trust", **storage_path)
     stored(tmp_path, "x")
     response = await post(app, chat_body(reference(uuid), **options))
     assert response.status_code == 400

@@ -550,8 +550,9 @@ REFERENCE = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2
 async def test_a_clients_reference_to_an_embedding_not_in_storage_is_refused_before_any_call(
     tmp_path: Path,
 ) -> None:
-    """A metadata-only part naming a missing embedding would kill vLLM's engine core."""
-    pipe, transport = pipeline(), encoders(E0, E1, storage=tmp_path)
+    """A metadata-only part naming a missing embedding would kill vLLM's engine core (clients trusted
+    with embeddings: by default every one is refused, tests/test_third_attack.py)."""
+    pipe, transport = pipeline(client_embeddings="trust"), encoders(E0, E1, storage=tmp_path)
     body = chat_body(REFERENCE, image(1))
     with pytest.raises(UnresolvableReference, match="which this server does not have"):
         await run(pipe, body, transport, host=Host(storage=str(tmp_path)))
@@ -566,7 +567,7 @@ async def test_a_clients_reference_to_an_embedding_not_in_storage_is_refused_bef
 async def test_a_clients_reference_to_a_stored_embedding_passes_as_it_is(tmp_path: Path) -> None:
     (tmp_path / "cached-item").mkdir()
     (tmp_path / "cached-item" / EXAMPLE_CONNECTOR_FILE).write_bytes(b"x")
-    pipe, transport = pipeline(), encoders(E0, E1)
+    pipe, transport = pipeline(client_embeddings="trust"), encoders(E0, E1)
     body = chat_body(REFERENCE)
     assert await run(pipe, body, transport, host=Host(storage=str(tmp_path))) == body
     assert transport.calls == []

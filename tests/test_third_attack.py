@@ -897,30 +897,32 @@ async def test_a_server_that_breaks_right_after_proving_itself_leaves_within_a_p
     assert healthy(middleware) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left: a client's *_embeds parts are trusted for their shape (see the docstring); mending it "
-    "is a design decision (refuse client embeds by default, or check shapes per model)",
-)
-async def test_a_client_reference_with_a_grid_its_embedding_does_not_have_never_reaches_the_engine(
-    tmp_path: Any,
+@pytest.mark.parametrize("kind", ["reference", "tensor"])
+async def test_a_client_embedding_never_reaches_the_engine_unless_clients_are_trusted_with_them(
+    tmp_path: Any, kind: str
 ) -> None:
-    """Defect left: the PD must run with --enable-mm-embeds for the middleware's rewrite, which vLLM
-    documents as "the engine may crash if incorrect shape of embeddings is passed; only for trusted
-    users". A client reference to an embedding that exists (the canary's own, ``epd-canary-v1``, is
-    always there once a canary ran; any image the client sent is stored under a content uuid it can
-    compute) passes the presence check whatever its ``image_grid_thw`` says; a grid larger than the
-    stored tensor makes the engine merge fewer embeddings than placeholders, a ValueError in the model
-    runner that kills the engine core for everyone. Only presence is checked, never the shape."""
+    """The PD must run with --enable-mm-embeds for the middleware's rewrite, which vLLM documents as "the
+    engine may crash if incorrect shape of embeddings is passed; only for trusted users". A client
+    reference to an embedding that exists (the canary's own, ``epd-canary-v1``, is always there once a
+    canary ran; any image the client sent is stored under a content uuid it can compute) passes the
+    presence check whatever its ``image_grid_thw`` says; a grid larger than the stored tensor makes the
+    engine merge fewer embeddings than placeholders, a ValueError in the model runner that kills the engine
+    core for everyone; a tensor of the wrong width does the same. Only presence can be checked here, never
+    the shape: by default (client_embeddings=refuse) every client embedding is refused. Before: this
+    reference reached the engine."""
     from .test_hostile_clients import inside_vllm, reference, stored
 
     encoders, engine = FakeEncoders([E0]), FakeEngine()
-    app = inside_vllm(encoders, engine, tmp_path)
+    app = inside_vllm(encoders, engine, tmp_path, client_embeddings="refuse")
     stored(tmp_path, "epd-canary-v1")  # a canary of 56 x 56 pixels: image_grid_thw [1, 4, 4]
     lie = reference("epd-canary-v1")
-    lie["image_embeds"] = {"image_grid_thw": [1, 200, 200]}
+    if kind == "reference":
+        lie["image_embeds"] = {"image_grid_thw": [1, 200, 200]}
+    else:
+        lie["image_embeds"] = "AAAA" * 64  # a tensor of the client's own
     response = await post_to(app, chat_body(lie))
     assert response.status_code == 400
+    assert "client_embeddings=refuse" in response.json()["error"]["message"]
     assert engine.received == []
 
 

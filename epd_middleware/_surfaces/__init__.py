@@ -72,14 +72,16 @@ class MediaPart:
 
 @dataclass(frozen=True, slots=True)
 class Reference:
-    """A metadata-only part the client wrote itself (``{"type": "image_embeds", "image_embeds":
+    """An embeds part the client wrote itself. Metadata-only (``{"type": "image_embeds", "image_embeds":
     {"image_grid_thw": [...]}, "uuid": ...}``): the engine takes its embedding from the EC connector, under
-    the identifier it derives from the uuid, with nothing to fall back on if it is not there."""
+    the identifier it derives from the uuid, with nothing to fall back on if it is not there. Or carrying
+    its tensor (``tensor``): the engine takes it as it is."""
 
     location: tuple[int, ...]
     kind: str  # image_embeds, audio_embeds, video_embeds
     modality: str
     uuid: str | None
+    tensor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +91,7 @@ class ParsedRequest:
     # Modalities with a part that references earlier media by uuid alone: vLLM counts it as raw media,
     # so the other parts of that modality must stay raw too (no mixing of raw and embeds).
     referenced_modalities: frozenset[str] = frozenset()
-    # Metadata-only parts the client wrote itself: checked before anything else is done.
+    # Embeds parts the client wrote itself: refused, or checked before anything else is done.
     references: tuple[Reference, ...] = ()
     # Read by Python's json, as vLLM reads bodies, after the fast decoder refused the body (a BOM,
     # UTF-16, NaN, a lone surrogate ...): every body made from it is written by Python's json too, which

@@ -159,23 +159,22 @@ def _part_kind(part: Mapping[str, Any]) -> str | None:
 
 
 def reference_of(part: Mapping[str, Any], location: tuple[int, ...], kind: str | None) -> Reference | None:
-    """The part as a metadata-only reference, when it is one: an embeds part that carries no embedding
-    of its own (no payload, or a payload of metadata arrays without the ``<modality>_embeds`` tensor).
-    A part that carries its tensor (base64) needs no embedding from elsewhere. ``kind``: the part's
-    kind as vLLM gives it (``_part_kind``)."""
+    """The part as a client's embeds part, when it is one: metadata-only (no payload, or a payload of
+    metadata arrays without the ``<modality>_embeds`` tensor: its embedding comes from elsewhere), or
+    carrying its tensor (base64: ``tensor``). ``kind``: the part's kind as vLLM gives it
+    (``_part_kind``)."""
     modality = p.EMBEDS_PARTS.get(kind or "")
     if modality is None:
         return None
     assert kind is not None
     payload = part.get(kind)
-    if isinstance(payload, (str, Raw)):
-        return None
-    if isinstance(payload, dict) and isinstance(payload.get(kind), (str, Raw)):
-        return None
+    tensor = isinstance(payload, (str, Raw)) or (
+        isinstance(payload, dict) and isinstance(payload.get(kind), (str, Raw))
+    )
     uuid = text_of(part.get(p.UUID))
     if uuid is not None and not isinstance(uuid, str):
         raise Unusable  # vLLM would take str(uuid): not a reference the middleware reads otherwise
-    return Reference(location, kind, modality, uuid)
+    return Reference(location, kind, modality, uuid, tensor)
 
 
 def media_of(part: Mapping[str, Any], kind: str | None) -> tuple[str, tuple[str | Raw, ...] | None] | None:

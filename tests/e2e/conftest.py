@@ -210,7 +210,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             storage,
             urls,
             via="plugin",
-            extra_env={"VLLM_API_KEY": API_KEY, **lab.connector_debug_logging(logs)},
+            # Clients trusted with embeddings (their references are what several cases check); the
+            # default refuses them (pd-adaptive shows it).
+            extra_env={
+                "VLLM_API_KEY": API_KEY,
+                "EPD_CLIENT_EMBEDDINGS": "trust",
+                **lab.connector_debug_logging(logs),
+            },
         ),
         pd_flag=lab.pd_server(
             python,
@@ -277,7 +283,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             [],
             via="plugin",
             name="audio-pd",
-            extra_env=lab.connector_debug_logging(logs / "audio"),
+            extra_env={"EPD_CLIENT_EMBEDDINGS": "trust", **lab.connector_debug_logging(logs / "audio")},
         ),
     )
     deployment.audio_pd.env["EPD_ENCODERS"] = deployment.audio_encoder.url

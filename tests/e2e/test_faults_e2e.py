@@ -119,3 +119,21 @@ def test_a_client_reference_removed_while_its_request_is_prepared_is_refused_and
     after = chat(deployment.pd, body, AUTH)
     record("E + PD after a reference removed mid-request", after, baseline)
     assert_same(after, baseline)
+
+
+def test_by_default_a_clients_own_embedding_is_refused_and_the_engine_lives(deployment: Deployment) -> None:
+    """vLLM's --enable-mm-embeds trusts an embedding's shape: a reference claiming a grid its stored
+    embedding does not have would crash the engine core. pd-adaptive runs the default
+    (client_embeddings=refuse): refused at once, and the next request is answered exactly."""
+    uuid = "e2e-client-embedding-refused"
+    reply = encode_directly(deployment, seed_image(shift=255), uuid, None)
+    [(_, entry)] = reply["ec_transfer_params"].items()
+    lie = {**entry["metadata"], "image_grid_thw": [1, 200, 200]}
+    body = seed_request(MODEL, images=[])
+    body["messages"][0]["content"].insert(0, {"type": "image_embeds", "image_embeds": lie, "uuid": uuid})
+    response = chat(deployment.pd_adaptive, body)
+    record("a client's own embedding, by default", response)
+    assert response.status_code == 400, response.text
+    assert "client_embeddings=refuse" in response.json()["error"]["message"]
+    body = seed_request(MODEL, images=[seed_image(shift=256)])
+    assert_same(chat(deployment.pd_adaptive, body), chat(deployment.single, body))
