@@ -2,12 +2,23 @@
 level: refuse connections, answer 500, hang, answer garbage, or drop the connection mid-response.
 
     python -m tests.load.fake_encoder_server PORT [--faults SECONDS] [--host ADDRESS] [--storage DIR]
-                                                  [--model NAME]
+                                                  [--model NAME] [--slots N] [--call-ms MS]
+                                                  [--encode-fixed-ms MS] [--encode-token-us US]
+                                                  [--grid fixed|qwen2.5-vl]
 
 With --faults it cycles through every fault in turn, SECONDS each, and never answers correctly.
 With --storage it writes each embedding it reports where ECExampleConnector would
 (DIR/<hash>/encoder_cache.safetensors). ``GET /stats`` answers what it served (requests, items, body
 bytes). Only the standard library, so the misbehaviour is exactly what is written here.
+
+Costs (benchmarks/placement.py), all off by default (an instant encoder, as before): ``--call-ms`` is
+the fixed time of a call outside the encoder's GPU (the API server's processing, the round trip);
+``--slots`` calls encode at once, the others wait their turn in arrival order (the encoder's queue); an
+encode holds its slot ``--encode-fixed-ms`` plus ``--encode-token-us`` per vision token of the call's
+images. ``--grid qwen2.5-vl`` reports each image's ``image_grid_thw`` from its size as Qwen2.5-VL's
+processor computes it (tests/load/vision_tokens.py), instead of the fixed [1, 26, 36]. ``GET /load``
+answers ``{"server_load": N}`` as vLLM does under ``--enable-server-load-tracking`` (the requests being
+served), and ``GET /metrics`` vLLM's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ import json
 import os
 import sys
 import time
+
+from tests.load.vision_tokens import grid_thw, png_size, tokens_of_grid
 
 FAULTS = ("refuse", "500", "hang", "garbage", "drop")
 
@@ -31,12 +44,18 @@ def derived_hash(model: str, uuid: str, body: dict) -> str:
     ).hexdigest()[:40]
 
 
-def reply(body: dict, request_id: str = "random-id") -> bytes:
+def grid_of(part: dict, grid: str) -> list[int]:
+    if grid == "fixed":
+        return [1, 26, 36]
+    return grid_thw(*png_size(part["image_url"]["url"]))
+
+
+def reply(body: dict, request_id: str = "random-id", grid: str = "fixed") -> bytes:
     entries = {}
     for index, part in enumerate(body["messages"][0]["content"]):
         entries[derived_hash(body["model"], part["uuid"], body)] = {
             "item_indices": [index],
-            "metadata": {"image_grid_thw": [1, 26, 36]},
+            "metadata": {"image_grid_thw": grid_of(part, grid)},
         }
     answer = {"id": f"chatcmpl-{request_id}", "choices": [], "ec_transfer_params": entries}  # as vLLM's
     return json.dumps(answer).encode()
@@ -64,6 +83,34 @@ class Encoder:
         self.started = time.monotonic()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
+        self.grid = "fixed"
+        self.call_s = 0.0
+        self.encode_fixed_s = 0.0
+        self.encode_token_s = 0.0
+        self.slots: asyncio.Semaphore | None = None
+        self.in_flight = 0
+        self.encoding = 0
+
+    async def encode(self, request: dict) -> None:
+        """The call's costs: its fixed time, then its turn on the encoder and the encode itself."""
+        if self.call_s:
+            await asyncio.sleep(self.call_s)
+        if self.slots is None:
+            return
+        tokens = sum(tokens_of_grid(grid_of(part, self.grid)) for part in request["messages"][0]["content"])
+        async with self.slots:
+            self.encoding += 1
+            try:
+                await asyncio.sleep(self.encode_fixed_s + self.encode_token_s * tokens)
+            finally:
+                self.encoding -= 1
+
+    def metrics(self) -> bytes:
+        labels = f'{{engine="0",model_name="{self.models[0]}"}}'
+        return (
+            f"vllm:num_requests_running{labels} {float(self.encoding)}\n"
+            f"vllm:num_requests_waiting{labels} {float(self.in_flight - self.encoding)}\n"
+        ).encode()
 
     def store(self, entries: dict) -> None:
         """As ECExampleConnector: the file exists when the answer goes out (a few microseconds)."""
@@ -105,13 +152,26 @@ class Encoder:
                     writer.write(response(200, json.dumps(self.served).encode()))
                     await writer.drain()
                     continue
+                if path == "/load":
+                    writer.write(response(200, json.dumps({"server_load": self.in_flight}).encode()))
+                    await writer.drain()
+                    continue
+                if path == "/metrics":
+                    writer.write(response(200, self.metrics()))
+                    await writer.drain()
+                    continue
                 mode = self.mode()
                 if mode == "ok":
                     request = json.loads(body)
                     self.served["requests"] += 1
                     self.served["items"] += len(request["messages"][0]["content"])
                     self.served["bytes"] += len(body)
-                    answer = reply(request, request_id)
+                    self.in_flight += 1
+                    try:
+                        await self.encode(request)
+                    finally:
+                        self.in_flight -= 1
+                    answer = reply(request, request_id, self.grid)
                     if self.storage is not None:
                         self.store(json.loads(answer)["ec_transfer_params"])
                     writer.write(response(200, answer))
@@ -162,4 +222,10 @@ if __name__ == "__main__":
     encoder = Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage"))
     if "--model" in options:
         encoder.models = [options["--model"]]
+    encoder.grid = options.get("--grid", "fixed")
+    encoder.call_s = float(options.get("--call-ms", 0)) / 1000
+    encoder.encode_fixed_s = float(options.get("--encode-fixed-ms", 0)) / 1000
+    encoder.encode_token_s = float(options.get("--encode-token-us", 0)) / 1e6
+    if "--slots" in options:
+        encoder.slots = asyncio.Semaphore(int(options["--slots"]))
     asyncio.run(encoder.run())
