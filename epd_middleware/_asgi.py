@@ -32,9 +32,13 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-async def send_error(send: Send, error: EPDError, body: bytes | None = None) -> None:
-    """``error`` answered, its body in OpenAI's shape unless ``body`` is given (another surface's)."""
-    await _send_body(send, error.status, error.body() if body is None else body, error.headers())
+async def send_error(
+    send: Send, error: EPDError, body: bytes | None = None, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """``error`` answered, its body in OpenAI's shape unless ``body`` is given (another surface's), with
+    ``extra`` headers besides its own."""
+    headers = error.headers() + extra if extra else error.headers()
+    await _send_body(send, error.status, error.body() if body is None else body, headers)
 
 
 async def send_json(send: Send, status: int, payload: object) -> None:

@@ -10,9 +10,13 @@ One request's failed calls are judged together, in a :class:`Ledger`:
   - 501: vLLM answers it only for a ``NotImplementedError`` (``entrypoints/serve/exception_handling/
     error_response.py``), which request content raises (``multimodal/media/connector.py``
     ``_load_data_url``: "Only base64 data URLs are supported for now.");
-  - a 5xx whose message names a host of the request's own media: the encoder's fetch of it failed
-    (aiohttp's "Cannot connect to host H:P ...", "Connection timeout to host URL", "500, message=...,
-    url=URL"; vLLM passes those on as 500, ``multimodal/media/connector.py`` ``_wrap_media_fetch_error``);
+  - a 5xx whose message names a host of the request's own media, on two servers: their fetches of it
+    failed (aiohttp's "Cannot connect to host H:P ...", "Connection timeout to host URL", "500,
+    message=..., url=URL"; vLLM passes those on as 500, ``multimodal/media/connector.py``
+    ``_wrap_media_fetch_error``). On one server alone it is not enough: a server whose own DNS or
+    egress is down says the same of every URL. So the first such failure counts against nobody
+    (``media``) and the call is tried on another server; the same failure there is the request's, a
+    success there was the first server's trouble; with no other server to try, the request's;
   - 401 or 403 to the client's own key (``forward_authorization``);
   - the same failure (status and vLLM's message, or a timeout) on a second server, which proves healthy
     on its own (its ``/health`` and a canary encode of a tiny built-in image, :mod:`._canary`; a proof
@@ -50,8 +54,10 @@ __all__ = ["BLAMES", "Ledger", "Verdict"]
 
 # Every verdict a failed call can get, as metrics and the status page count them. ``retracted``: a
 # failure first counted against a server, taken back once the same request failed the same way on another.
-# (``suspect`` is a verdict on the way, never counted: :meth:`Ledger.settle` turns it into one of these.)
-BLAMES = ("server", "request", "credentials", "capped", "none", "retracted")
+# ``media``: a fetch of the request's own media failed on one server, counted against nobody, tried on
+# another. (``suspect`` is a verdict on the way, never counted: :meth:`Ledger.settle` turns it into one of
+# these.)
+BLAMES = ("server", "request", "credentials", "capped", "none", "retracted", "media")
 
 # vLLM answers 501 only for a NotImplementedError, raised by what the request asks for.
 _NOT_IMPLEMENTED = 501
@@ -105,12 +111,26 @@ class Ledger:
         if at_fault is not None:
             return at_fault
         signature = _signature(failure)
-        if signature is not None and any(
+        again = signature is not None and any(
             earlier.role == failure.role and earlier.server != server and earlier.signature == signature
             for earlier in self._failed
-        ):
+        )
+        if self._fetch_failed(failure):
+            if again:  # two servers could not fetch it, naming the request's own host
+                return Verdict("request", self.final(failure))
+            self._failed.append(_Failed(failure.role, server, signature, False))
+            return Verdict("media", failure)
+        if again:
             return Verdict("suspect", failure)
         return self._count(server, failure, signature)
+
+    def final(self, failure: UpstreamError) -> UpstreamError:
+        """The error a call answers with when no server is left to try after ``failure``: the request's
+        own answer where it is a failed fetch of the request's media (no other server said otherwise),
+        else ``failure`` itself."""
+        if isinstance(failure, UpstreamStatusError) and self._fetch_failed(failure):
+            return _rejected(failure, failure.detail, "the request's own media could not be fetched")
+        return failure
 
     def settle(self, server: str, failure: UpstreamError, *, server_healthy: bool) -> Verdict:
         """The verdict on a ``suspect`` failure: the request's, where ``server`` is healthy on its own
@@ -141,11 +161,15 @@ class Ledger:
             return Verdict("credentials", _rejected(failure, said, "the client's own key, forwarded"))
         if status == _NOT_IMPLEMENTED:
             return Verdict("request", _rejected(failure, detail, "vLLM's answer to what it cannot do"))
-        if status >= 500 and detail is not None and self._names_own_media(detail.message):
-            return Verdict(
-                "request", _rejected(failure, detail, "the request's own media could not be fetched")
-            )
         return None
+
+    def _fetch_failed(self, failure: UpstreamError) -> bool:
+        """Whether ``failure`` is a server error whose vLLM message names a host of the request's media:
+        that server's fetch of it failed."""
+        if not isinstance(failure, UpstreamStatusError) or failure.status_code < 500:
+            return False
+        detail = failure.detail
+        return detail is not None and self._names_own_media(detail.message)
 
     def _names_own_media(self, message: str) -> bool:
         """Whether vLLM's error message names a host of this request's media (aiohttp's messages name

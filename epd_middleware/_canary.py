@@ -10,10 +10,11 @@ made here, so no file ships with the package.
 from __future__ import annotations
 
 import base64
+import functools
 import struct
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from ._handles import match_reply
 from ._plan import MediaItem
@@ -21,8 +22,9 @@ from ._protocol import EC_TRANSFER_PARAMS, UUID, embedding_stored
 from ._surfaces import encoder_request
 from ._upstream import Attempt
 from .errors import UpstreamBadReply
+from .transport import Body
 
-__all__ = ["CANARY_UUID", "canary"]
+__all__ = ["CANARY_UUID", "Canary", "canary"]
 
 _SIDE = 56
 # Pinned, so that the encoder reports it as the hash (no options) and the one file it writes under
@@ -60,11 +62,20 @@ _ITEM = MediaItem(
 )
 
 
-def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
+class Canary(NamedTuple):
+    """The canary call: each try of it (body and reading), and the headers it is sent with."""
+
+    attempt: Callable[[], Attempt[None]]
+    headers: Mapping[str, str]
+
+
+def canary(model: str, storage: str | None, authorization: str | None) -> Canary:
     """The canary call for encoders that serve ``model``: an image only, none of a client's options,
     its answer read as every encoder answer is (a handle for the item; under ``storage``, the embedding
-    where the local connector would look)."""
-    body = encoder_request(model, [_ITEM.part], {}, None)
+    where the local connector would look). ``authorization``: the key the request's own calls carry
+    (the client's, under ``forward_authorization``): the encoders just took it, and may take no other.
+    Made for every request that may need it, so its body is built only when a confirmation asks."""
+    headers = {"authorization": authorization} if authorization is not None else {}
 
     def read(server: str, reply: dict[str, Any]) -> None:
         handles = match_reply(server, (_ITEM,), reply.get(EC_TRANSFER_PARAMS))
@@ -75,4 +86,9 @@ def canary(model: str, storage: str | None) -> Callable[[], Attempt[None]]:
                 if not embedding_stored(storage, handle.mm_hash):
                     raise UpstreamBadReply(server, "the canary's embedding is not in the shared storage")
 
-    return lambda: Attempt(body, read)
+    return Canary(lambda: Attempt(_body(model), read), headers)
+
+
+@functools.lru_cache(maxsize=16)
+def _body(model: str) -> Body:
+    return encoder_request(model, [_ITEM.part], {}, None)

@@ -1,19 +1,21 @@
 """What is refused before any encoder or prefill call: a cache salt vLLM refuses, metadata-only parts a
-client wrote that name an embedding this server cannot confirm it has, client uuids trusted as hashes
-that are no file name, and media this server's own policy would not load."""
+client wrote that name an embedding this server cannot confirm it has, references by uuid alone where
+the engine cannot encode, client uuids trusted as hashes that are no file name, and media this server's
+own policy would not load."""
 
 from __future__ import annotations
 
 from ._media_budget import known_decoded_bytes
 from ._media_policy import MediaPolicy
 from ._metrics import Stats
-from ._protocol import CACHE_SALT, cache_salt_refusal, embedding_stored, plain_file_name
+from ._protocol import CACHE_SALT, cache_salt_refusal, embedding_stored, embedding_used, plain_file_name
 from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface
 from .errors import MediaBudgetExceeded, MediaRefused, RefusedField, UnresolvableReference
 from .host import Host
 
 __all__ = [
+    "check_by_uuid_alone",
     "check_cache_salt",
     "check_client_uuids",
     "check_media_budget",
@@ -69,6 +71,21 @@ def check_references(
     return tuple(confirmed)
 
 
+def check_by_uuid_alone(surface: Surface, request: ParsedRequest, host: Host) -> None:
+    """A part that refers to earlier media by its uuid alone is raw media to the engine (vLLM takes it
+    from its processor cache) that no encoder is asked for: where the engine cannot encode media itself
+    (a Mooncake consumer waits for a push of it, then fails), it is refused."""
+    blocker = host.local_encoding_blocker
+    if blocker is None or not request.referenced_modalities:
+        return
+    modalities = " and ".join(sorted(request.referenced_modalities))
+    raise UnresolvableReference(
+        f"the request refers to an earlier {modalities} by its uuid alone, which this server cannot serve "
+        f"({blocker}); send the media itself",
+        param=surface.field,
+    )
+
+
 def check_references_again(
     surface: Surface, confirmed: tuple[tuple[str, str], ...], host: Host, stats: Stats
 ) -> None:
@@ -77,7 +94,7 @@ def check_references_again(
     die on the reference as on one that never was."""
     storage = host.storage
     for where, identifier in confirmed:
-        if storage is None or not embedding_stored(storage, identifier):
+        if storage is None or not embedding_used(storage, identifier):
             stats.request("reference_refused")
             raise UnresolvableReference(
                 f"{where} refers to embedding {identifier[:80]!r}, which this server no longer has (it "

@@ -19,6 +19,7 @@ import anyio
 
 from . import _failover as failover
 from ._blame import Ledger
+from ._canary import Canary
 from ._handles import Handle, ItemKey, match_reply
 from ._plan import EncoderCall
 from ._pool import ServerPool
@@ -75,7 +76,7 @@ class EncodeJob(NamedTuple):
     # The request's failed calls, judged together (_blame.py).
     ledger: Ledger | None = None
     # The call that confirms an encoder's ejection besides its /health (_canary.py); None: /health alone.
-    canary: Callable[[], Attempt[None]] | None = None
+    canary: Canary | None = None
     # Why an item the encoder gives no handle for cannot stay raw for the engine (a Mooncake consumer's
     # engine would wait for its push): such an answer is then a bad one. None: it stays raw.
     raw_blocked: str | None = None
@@ -87,6 +88,8 @@ class EncodeOutcome:
 
     handles: dict[ItemKey, Handle]
     failed: tuple[tuple[EncoderCall, UpstreamError], ...] = ()
+    # The encoder that answered each call (after any failover), in the calls' order; "" where none did.
+    answered: tuple[str, ...] = ()
 
 
 async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> EncodeOutcome:
@@ -99,6 +102,7 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
     """
     calls = job.calls
     results: list[dict[ItemKey, Handle]] = [{} for _ in calls]
+    answered = [""] * len(calls)
     failures: dict[int, UpstreamError] = {}
     rejected: list[UpstreamError] = []
     request_of = _requests(job)
@@ -108,7 +112,13 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
 
         def attempt() -> Attempt[dict[ItemKey, Handle]]:
             request = request_of(call)
-            return Attempt(request.body, lambda server, reply: _handles(server, call, request, reply, job))
+
+            def read(server: str, reply: dict[str, Any]) -> dict[ItemKey, Handle]:
+                handles = _handles(server, call, request, reply, job)
+                answered[index] = server
+                return handles
+
+            return Attempt(request.body, read)
 
         try:
             results[index] = await failover.call(
@@ -152,7 +162,8 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
     if failures and job.stop_at_first_failure:
         raise failures[min(failures)]
     handles = {key: handle for result in results for key, handle in result.items()}
-    return EncodeOutcome(handles, tuple((calls[index], failures[index]) for index in sorted(failures)))
+    failed = tuple((calls[index], failures[index]) for index in sorted(failures))
+    return EncodeOutcome(handles, failed, tuple(answered))
 
 
 def _requests(job: EncodeJob) -> Callable[[EncoderCall], EncoderRequest]:

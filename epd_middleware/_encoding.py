@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import anyio
 
 from . import _selection as selection
-from ._canary import canary
+from ._canary import Canary, canary
 from ._context import RequestContext
 from ._encoders import EncodeJob, EncodeOutcome, encode
 from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_params
@@ -23,12 +23,11 @@ from ._metrics import Stats
 from ._placement import Decision, Placement, item_tokens
 from ._plan import EncoderCall, MediaItem, media_items, plan_calls
 from ._pool import ServerPool, no_server_left
-from ._protocol import EC_ITEMS, MODEL, embedding_stored
+from ._protocol import EC_ITEMS, MODEL, embedding_used
 from ._rawjson import text_of
 from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from ._scheduler import Route
 from ._surfaces import ParsedRequest, Surface
-from ._upstream import Attempt
 from .config import EPDConfig
 
 __all__ = ["EncodeStage", "Encoded"]
@@ -100,9 +99,9 @@ class EncodeStage:
         pushed = context.push_to is not None and bool(outcome.handles)
         if not logger.isEnabledFor(logging.INFO):
             return Encoded(fields, None, pushed)
-        used = ", ".join(sorted({call.encoder for call in calls})) or "none"
+        used = ", ".join(sorted(set(outcome.answered) - {""})) or "none"
         note = (
-            f"{len(found.items)} media item(s), {len(calls)} encoder call(s) to {used}"
+            f"{len(found.items)} media item(s), {len(calls)} encoder call(s) answered by {used}"
             + (f", {len(reused.handles)} reused" if reused.handles else "")
             + f"; encode {(encoded - started) * 1000:.1f} ms"
             + f", rewrite {(rewritten - encoded) * 1000:.2f} ms"
@@ -249,9 +248,7 @@ class EncodeStage:
         fallen = sum(len(call.items) for call, _ in outcome.failed) if calls else len(to_encode)
         reason = outcome.failed[0][1].logged if outcome.failed else "no encoder is available"
         self.stats.fallback(fallen)
-        logger.warning(
-            "request %s: %d media item(s) left to the local engine: %s", context.request_id, fallen, reason
-        )
+        logger.warning("%d media item(s) left to the local engine: %s", fallen, reason)
         return fallen
 
     def _engine_fields(
@@ -295,7 +292,7 @@ class EncodeStage:
             if rule.model is not None and key in expected and expected[key] is None:
                 self.stats.counters["identifier_unknown_items"] += 1
                 unconfirmed.add(key[0])
-            elif storage is not None and not embedding_stored(storage, handle.mm_hash):
+            elif storage is not None and not embedding_used(storage, handle.mm_hash):
                 self.stats.counters["embeddings_gone_before_the_engine"] += 1
                 unconfirmed.add(key[0])
                 if key in reuse_keys:
@@ -303,12 +300,12 @@ class EncodeStage:
         return frozenset(unconfirmed)
 
 
-def _canary_of(request: ParsedRequest, context: RequestContext) -> Callable[[], Attempt[None]] | None:
+def _canary_of(request: ParsedRequest, context: RequestContext) -> Canary | None:
     """The canary that confirms an encoder's ejection for this request's calls: an image of the
-    request's model, where that is a name. It carries no push address, so under Mooncake an encoder
-    encodes it and pushes nothing (``mooncake/scheduler.py`` ``_prepare_push_spec`` skips a request
-    without ``consumer_zmq``)."""
+    request's model, where that is a name, with the key its calls carry. It carries no push address, so
+    under Mooncake an encoder encodes it and pushes nothing (``mooncake/scheduler.py``
+    ``_prepare_push_spec`` skips a request without ``consumer_zmq``)."""
     model = text_of(request.fields.get(MODEL))
     if not isinstance(model, str) or not model:
         return None
-    return canary(model, context.host.storage)
+    return canary(model, context.host.storage, context.authorization)

@@ -7,6 +7,7 @@ app and connection); what the request means is the pipeline's to decide.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import secrets
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ import anyio.lowlevel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._asgi import first_header, replay, send_error
-from ._logs import logger
+from ._logs import logger, request_scope
 from ._pipeline import Pipeline
 from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
@@ -37,9 +38,11 @@ class Exchange:
 
     __slots__ = (
         "app",
+        "given_id",
         "host",
         "pipeline",
         "receive",
+        "request_id",
         "route",
         "scheduled",
         "scope",
@@ -70,8 +73,17 @@ class Exchange:
         self.send = send
         self.scheduled = scheduled  # the request's headers as they came, when they held the scheduler's
         self.route: Route = NO_ROUTE
+        self.request_id = ""  # set first thing in run()
+        self.given_id = False
 
     async def run(self) -> None:
+        given = first_header(self.scope["headers"], REQUEST_ID_HEADER)
+        self.request_id = given.decode("latin-1") if given is not None else _new_request_id()
+        self.given_id = given is not None
+        with request_scope(self.request_id):
+            await self._run()
+
+    async def _run(self) -> None:
         pipeline = self.pipeline
         if pipeline.config.authenticate and not self.host.authorizes(self.scope["headers"]):
             await self._answer(Unauthorized())
@@ -105,9 +117,7 @@ class Exchange:
             raise failure
 
     async def _encode_and_run(self, request: ParsedRequest, caller: _CallerWatch) -> None:
-        pipeline, headers = self.pipeline, self.scope["headers"]
-        given = first_header(headers, REQUEST_ID_HEADER)
-        request_id = given.decode("latin-1") if given is not None else _new_request_id()
+        pipeline, headers, request_id = self.pipeline, self.scope["headers"], self.request_id
         context = pipeline.context(
             request,
             self.host,
@@ -134,7 +144,7 @@ class Exchange:
                 caller.preparing = False
             scope = dict(self.scope)
             scope["headers"] = _engine_headers(
-                headers, len(prepared.body), request_id if given is None else None, context.pin_rank
+                headers, len(prepared.body), None if self.given_id else request_id, context.pin_rank
             )
             # The push wait only bounds a request whose embeddings were pushed to this server.
             guard = _EngineFailureGuard(
@@ -148,10 +158,9 @@ class Exchange:
             if guard.waited_out:
                 pipeline.stats.engine_retry_skipped()
                 logger.warning(
-                    "request %s: the local engine answered 500 after the connector's whole push wait "
+                    "the local engine answered 500 after the connector's whole push wait "
                     "(%g s): an embedding pushed for it was never loaded; not running it again, which "
                     "would wait as long once more%s",
-                    request_id,
                     self.host.push_wait_s,
                     " (ECMooncakeConnector on the V1 model runner: see the start-up warning)"
                     if self.host.known_problems
@@ -161,18 +170,29 @@ class Exchange:
                 return
             pipeline.stats.engine_retry()
             logger.warning(
-                "request %s: the local engine answered 500 before any byte reached the client; "
+                "the local engine answered 500 before any byte reached the client; "
                 "encoding and running it again (%d of %d)",
-                request_id,
                 attempt + 1,
                 retries,
             )
 
     async def _answer(self, error: EPDError) -> None:
-        """The middleware's own error, in the surface's language (Anthropic's on Messages)."""
+        """The middleware's own error, in the surface's language (Anthropic's on Messages), with the
+        request id where vLLM's --enable-request-id-headers puts it on its answers; one line in the log
+        (a client's mistake at INFO, the rest at WARNING)."""
+        logger.log(
+            logging.WARNING if error.status >= 500 else logging.INFO,
+            "answered %d %s: %s",
+            error.status,
+            error.error_type,
+            error.logged,
+        )
         if self.pipeline.config.expose_upstream_addresses:
             error.expose()
-        await send_error(self.send, error, self.surface.error_body(error))
+        extra = (
+            [(REQUEST_ID_HEADER, self.request_id.encode("latin-1"))] if self.host.request_id_headers else []
+        )
+        await send_error(self.send, error, self.surface.error_body(error), extra)
 
     async def _read_body(self) -> bytes:
         limit = self.pipeline.config.max_body_bytes

@@ -13,6 +13,7 @@ from typing import TypeVar
 import anyio
 
 from ._blame import Ledger
+from ._canary import Canary
 from ._logs import logger
 from ._pool import ServerPool
 from ._probes import confirm_failing, proves_healthy
@@ -35,7 +36,7 @@ async def call(
     preferred: Sequence[str] = (),
     deadline: float | None = None,
     ledger: Ledger | None = None,
-    canary: Callable[[], Attempt[None]] | None = None,
+    canary: Canary | None = None,
 ) -> T:
     """POST to ``first``, then to other servers while the call fails in a way another server may not
     (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
@@ -113,6 +114,9 @@ async def call(
         pool.record_success(server)
         return result
     assert last is not None
+    last = ledger.final(last)
+    if not last.retryable:
+        raise last from None  # the request's own answer: vLLM's words, not the servers tried
     if len(why) > 1:
         last.tried(why)
     raise last

@@ -1,13 +1,59 @@
-"""The package's logger, and its place in vLLM's logging when the middleware runs inside vLLM."""
+"""The package's logger, its place in vLLM's logging when the middleware runs inside vLLM, and the request
+id every line about a request carries.
+
+The id is set once per request (:func:`request_scope`, in the exchange) in a context variable, which every
+task the request starts inherits (encoder and prefill calls, their failovers, an ejection one of them
+causes); a filter on the logger puts it in front of each line written meanwhile, and on the record
+(``request_id``) for the JSON lines.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
-__all__ = ["adopt_vllm_logging", "logger"]
+import msgspec
+
+__all__ = ["adopt_vllm_logging", "log_as_json", "logger", "request_scope"]
 
 logger = logging.getLogger("epd_middleware")
+
+_request_id: ContextVar[str | None] = ContextVar("epd_request_id", default=None)
+# A client may send any id: what reaches a log line is printable ASCII, and not a screenful.
+_MAX_ID = 128
+_encode = msgspec.json.Encoder().encode
+
+
+class _RequestIdFilter(logging.Filter):
+    """Puts the current request's id in front of each line (and on the record as ``request_id``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = _request_id.get()
+        record.request_id = request_id
+        if request_id is not None and not getattr(record, "epd_prefixed", False):
+            # The id goes in as text, never as a format: a '%' in it must not meet the arguments.
+            record.msg = f"request {request_id.replace('%', '%%')}: {record.msg}"
+            record.epd_prefixed = True
+        return True
+
+
+logger.addFilter(_RequestIdFilter())
+
+
+@contextmanager
+def request_scope(request_id: str) -> Iterator[str]:
+    """Every line logged inside (by this task and those it starts) is about request ``request_id``;
+    yields the id as the log shows it."""
+    shown = "".join(char if " " <= char <= "~" else "?" for char in request_id[:_MAX_ID])
+    token = _request_id.set(shown)
+    try:
+        yield shown
+    finally:
+        _request_id.reset(token)
 
 
 def adopt_vllm_logging() -> None:
@@ -25,4 +71,39 @@ def adopt_vllm_logging() -> None:
     for handler in vllm_logger.handlers:
         logger.addHandler(handler)
     logger.setLevel(vllm_logger.level or logging.INFO)
+    logger.propagate = False
+
+
+class _JsonLines(logging.Formatter):
+    """One JSON object a line: time (UTC, ISO 8601), level, logger, request_id (null outside a request),
+    message, and the traceback where there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        request_id = getattr(record, "request_id", None)
+        message = record.getMessage()
+        if request_id is not None:
+            message = message.removeprefix(f"request {request_id}: ")
+        line = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": request_id,
+            "message": message,
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return _encode(line).decode()
+
+
+def log_as_json(stream: object = None) -> None:
+    """Write the middleware's lines as JSON (``log_format="json"``), to ``stream`` (stderr), instead of
+    through the handlers it had (vLLM's, or the application's)."""
+    handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
+    handler.setFormatter(_JsonLines())
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -129,7 +129,8 @@ class _PoolMetrics:
             "(vLLM's answer to bad input, the request's media failing to load, or the same failure on "
             "another server), credentials (the client's own key refused), capped (not counted: the "
             "request had cost another server a failure already), none (no slot free here), retracted "
-            "(counted, then taken back as the request's).",
+            "(counted, then taken back as the request's), media (the request's own media could not be "
+            "fetched there: not counted, tried on another).",
             [role, "blame"],
         )
         self.ejection_checks = prom.Counter(
@@ -325,9 +326,9 @@ class Stats:
 
     def forget(self, role: str, server: str) -> None:
         """A server left the pool: every series labelled with it goes (calls, failovers, foreign answers,
-        health, model, in flight), and stays gone until the pool exports its health again (it is back).
-        A gauge would otherwise keep its last value for ever, and the others grow with every address a
-        DNS name ever had."""
+        failures by blame, ejection checks, health, model, in flight), and stays gone until the pool
+        exports its health again (it is back). A gauge would otherwise keep its last value for ever, and
+        the others grow with every address a DNS name ever had."""
         if self._prom is None:
             return
         self._departed[(role, server)] = None

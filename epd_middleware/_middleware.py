@@ -16,7 +16,7 @@ from typing_extensions import Unpack
 from ._asgi import first_header, replay, route_path, send_error, send_json
 from ._exchange import Exchange
 from ._llmd import SCHEDULER_HEADERS
-from ._logs import adopt_vllm_logging, logger
+from ._logs import adopt_vllm_logging, log_as_json, logger
 from ._pipeline import Pipeline
 from ._probes import probe_forever
 from ._protocol import MEDIA_ROUTES
@@ -68,6 +68,8 @@ class EPDMiddleware:
         adopt_vllm_logging()
         if config is None:
             config = EPDConfig.of_options(options) if options else EPDConfig.from_env()
+        if config.log_format == "json":
+            log_as_json()
         for warning in config.warnings():
             logger.warning("epd: %s", warning)
         self.app = app

@@ -24,6 +24,7 @@ import anyio.abc
 
 from ._blame import Ledger
 from ._checks import (
+    check_by_uuid_alone,
     check_cache_salt,
     check_client_uuids,
     check_media_budget,
@@ -136,7 +137,8 @@ class Pipeline:
         the engine unchanged; an :class:`~epd_middleware.errors.EPDError` for a body that must not.
 
         Cheap for bodies without media: a byte scan, no JSON parse. With remote prefill every request
-        goes through P, so every body is parsed.
+        goes through P, so every body is parsed. A body that sets ``ec_transfer_params`` is parsed too,
+        whatever it holds: the engine's are the middleware's alone (:func:`~._surfaces.with_handles`).
         """
         with_prefill = bool(self.config.prefill or route.prefill)
         # Where the middleware runs remote prefill, where a decoder takes its KV cache from is its call.
@@ -144,6 +146,7 @@ class Pipeline:
         if (
             not with_prefill
             and not (owns_kv and b"kv_transfer_params" in body)
+            and b"ec_transfer_params" not in body
             and _scannable(body)
             and not surface.may_hold_media(body)
         ):
@@ -159,7 +162,15 @@ class Pipeline:
                     refused_transfer_field(decoded[0], owns_kv=owns_kv, prefilled=False)
             return None
         refused_transfer_field(request.fields, owns_kv=owns_kv, prefilled=with_prefill)
-        if not (request.media or request.references or with_prefill):
+        if not (
+            request.media
+            or request.references
+            # A reference by uuid alone: the engine gets a multimodal item all the same.
+            or request.referenced_modalities
+            or with_prefill
+            # vLLM hands the engine only a value that is truthy (to_sampling_params).
+            or request.fields.get(EC_TRANSFER_PARAMS)
+        ):
             return None
         self.stats.stage("parse", time.perf_counter() - started)
         return request
@@ -216,6 +227,7 @@ class Pipeline:
         if parts > config.max_media_items:
             raise TooManyMediaItems(parts, config.max_media_items)
         references = check_references(surface, request, context.host, self.stats)
+        check_by_uuid_alone(surface, request, context.host)
         if config.trust_client_uuid and surface.pins_uuids:  # EncodeStage makes such a uuid the hash
             check_client_uuids(surface, request)
         if context.host.media_policy is not None:
@@ -255,7 +267,7 @@ class Pipeline:
             body = encode_fields(fields, compat=request.compat)
             said = [note for note in notes if note]
             if said and logger.isEnabledFor(logging.INFO):
-                logger.info("request %s: %s", context.request_id, "; ".join(said))
+                logger.info("%s", "; ".join(said))
             return Prepared(body, pushed)
         except Unusable:
             # Never the client's body as it came instead: the engine would read what was not checked.

@@ -55,6 +55,21 @@ class PoolPolicy:
     health_check_timeout: float = 2.0
 
 
+class Proof:
+    """A proof of a server's health under way (:func:`._probes.proves_healthy`): every request that needs
+    one meanwhile waits for it rather than making its own (a client's concurrent requests would otherwise
+    cost the server a canary each)."""
+
+    __slots__ = ("done", "finished", "problem", "with_canary")
+
+    def __init__(self, with_canary: bool) -> None:
+        self.with_canary = with_canary
+        self.done = anyio.Event()
+        # False when it was cancelled before it said anything (its caller left): waiters try again.
+        self.finished = False
+        self.problem: str | None = None
+
+
 @dataclass
 class Health:
     """One server's record: its failures and ejection, its calls in flight, its model verdict."""
@@ -72,6 +87,7 @@ class Health:
     # Until when it is known healthy on its own (_probes.proves_healthy), and whether a canary said so.
     proven_until: float = 0.0
     proven_by_canary: bool = False
+    proof: Proof | None = None
     # Failed calls by who was at fault (_blame.BLAMES), and ejections the confirmation averted.
     blamed: Counter[str] = field(default_factory=Counter)
     kept: int = 0

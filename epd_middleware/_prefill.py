@@ -76,7 +76,7 @@ class PrefillStage:
             if config.on_prefill_failure != "local" or rejected:
                 raise
             self.stats.request("prefill_fallback")
-            logger.warning("request %s: prefilled by the local engine: %s", context.request_id, exc.logged)
+            logger.warning("prefilled by the local engine: %s", exc.logged)
             return Prefilled(decode_fields(fields, None))
         elapsed = time.perf_counter() - started
         self.stats.stage("prefill", elapsed)

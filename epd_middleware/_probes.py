@@ -7,14 +7,15 @@ server's ejection waits for after its calls failed (:func:`confirm_failing`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import anyio
 
+from ._canary import Canary
 from ._logs import logger
-from ._pool import ServerPool
+from ._pool import Proof, ServerPool
 from ._protocol import CHAT_COMPLETIONS_PATH, LOAD_PATH, SERVER_LOAD
-from ._upstream import Attempt, post_once
+from ._upstream import post_once
 from .errors import UpstreamError
 from .transport import HTTPError, Transport, UnsendableRequest
 
@@ -88,7 +89,7 @@ async def confirm_failing(
     pool: ServerPool,
     transport: Transport,
     url: str,
-    canary: Callable[[], Attempt[None]] | None = None,
+    canary: Canary | None = None,
 ) -> None:
     """``url`` failed ``eject_after`` calls in a row: eject it only if it also fails on its own, without
     any client's request (:func:`proves_healthy`); otherwise it is kept, its failures were its
@@ -109,41 +110,56 @@ async def proves_healthy(
     pool: ServerPool,
     transport: Transport,
     url: str,
-    canary: Callable[[], Attempt[None]] | None = None,
+    canary: Canary | None = None,
 ) -> str | None:
     """Why ``url`` is not healthy on its own, with nothing of any client's in the calls: its ``/health``,
     then the ``canary`` call where one is given (an encoder's canary encode), each within the
     health-check timeout; None when it is. A proof holds for a health-check interval (5 s where probes
-    are off), so a stream of failing requests costs the server one canary a while, not one each."""
-    health, now = pool.record(url), anyio.current_time()
-    if health.proven_until > now and (canary is None or health.proven_by_canary):
-        return None
-    problem = await _health_problem(pool, transport, url, pool.models.headers)
-    if problem is None and canary is not None:
-        problem = await _canary_problem(pool, transport, url, canary)
-    if problem is None:
-        interval = pool.policy.health_check_interval
-        health.proven_until = anyio.current_time() + (interval if interval > 0 else _PROOF_HOLDS_S)
-        health.proven_by_canary = canary is not None
-    else:
-        health.proven_until = 0.0
-    return problem
+    are off), so a stream of failing requests costs the server one canary a while, not one each; and a
+    proof under way is shared, so concurrent ones cost it one canary, not one each."""
+    health = pool.record(url)
+    while True:
+        if health.proven_until > anyio.current_time() and (canary is None or health.proven_by_canary):
+            return None
+        under_way = health.proof
+        if under_way is None or (canary is not None and not under_way.with_canary):
+            break
+        await under_way.done.wait()
+        if under_way.finished:
+            return under_way.problem
+    proof = health.proof = Proof(canary is not None)
+    try:
+        problem = await _health_problem(pool, transport, url, pool.models.headers)
+        if problem is None and canary is not None:
+            problem = await _canary_problem(pool, transport, url, canary)
+        if problem is None:
+            interval = pool.policy.health_check_interval
+            health.proven_until = anyio.current_time() + (interval if interval > 0 else _PROOF_HOLDS_S)
+            health.proven_by_canary = canary is not None
+        else:
+            health.proven_until = 0.0
+        proof.problem, proof.finished = problem, True
+        return problem
+    finally:
+        if health.proof is proof:
+            health.proof = None
+        proof.done.set()
 
 
-async def _canary_problem(
-    pool: ServerPool, transport: Transport, url: str, canary: Callable[[], Attempt[None]]
-) -> str | None:
-    attempt = canary()
+async def _canary_problem(pool: ServerPool, transport: Transport, url: str, canary: Canary) -> str | None:
+    attempt = canary.attempt()
     try:
         reply = await post_once(
             transport,
             url,
             CHAT_COMPLETIONS_PATH,
             attempt.body,
-            pool.models.headers,
+            canary.headers,
             role=pool.role,
             label=pool.label(url),
-            capacity=pool.record(url).capacity,
+            # No slot, as /health takes none: a client holding every slot (slow media) must not make a
+            # healthy server fail its canary for want of one.
+            capacity=None,
             call_timeout=pool.policy.health_check_timeout,
             deadline=None,
             stats=pool.stats,

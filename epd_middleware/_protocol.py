@@ -45,6 +45,10 @@ PART_KEY_ORDER: Final[tuple[str, ...]] = (
     "video_url",
 )
 
+# Part kinds vLLM counts as raw media of a modality whose media never travels in JSON (a PIL image: the
+# offline API's): in a request body such a part refers to earlier media by its uuid alone.
+UUID_ONLY_PARTS: Final[dict[str, str]] = {"image_pil": "image"}
+
 # Modalities sent one item per encoder request; images are batched.
 UNBATCHED_MODALITIES: Final[frozenset[str]] = frozenset({"audio", "video"})
 
@@ -246,3 +250,19 @@ def embedding_stored(storage: str, mm_hash: str) -> bool:
     directory of that name is not one), by a ``stat`` on the connector's (local or shared) file system."""
     path = example_connector_file(storage, mm_hash)
     return path is not None and os.path.isfile(path)
+
+
+def embedding_used(storage: str, mm_hash: str) -> bool:
+    """:func:`embedding_stored`, just before the engine gets a reference to it, and its modification
+    time set to now: an age-based cleanup of the storage (deploy/kubernetes's CronJob) then counts from
+    its last use, not from when an encoder first wrote it (an encoder that finds it there writes nothing).
+    """
+    if not embedding_stored(storage, mm_hash):
+        return False
+    path = example_connector_file(storage, mm_hash)
+    assert path is not None
+    try:
+        os.utime(path)
+    except OSError:  # gone since the stat, or a storage that takes no metadata writes: as stat said
+        return os.path.isfile(path)
+    return True

@@ -117,7 +117,7 @@ async def post_once(
     *,
     role: str,
     label: str,
-    capacity: Capacity,
+    capacity: Capacity | None,
     call_timeout: float,
     deadline: float | None,
     stats: Stats,
@@ -128,8 +128,10 @@ async def post_once(
 
     The call's own timeout runs from when it has a slot on the server: time spent waiting behind this
     process's other calls is not the server's (:class:`~epd_middleware.errors.UpstreamBusy` when no slot
-    came free within a timeout's length, the deadline bounding the wait too)."""
-    if not capacity.take_now():
+    came free within a timeout's length, the deadline bounding the wait too). ``capacity`` None: a probe
+    of the server's own health (the canary), which takes no slot: the slots bound the clients' calls, and
+    a probe that waited behind them would judge the server by this process's own queue."""
+    if capacity is not None and not capacity.take_now():
         await _wait_for_a_slot(server, role, capacity, call_timeout, deadline)
     # One bare cancel scope bounds the call by its own timeout and by the caller's deadline: a cancel
     # scope is the costliest thing a call does on the event loop (a timer, task-state lookups), and
@@ -146,7 +148,8 @@ async def post_once(
                     "POST", f"{server}{path}", body, {"content-type": _JSON, **headers}
                 )
             finally:
-                capacity.release()
+                if capacity is not None:
+                    capacity.release()
                 stats.in_flight(role, label, -1)
         if bound.cancelled_caught:
             if by_deadline:
@@ -208,7 +211,9 @@ def answer_of(server: str, role: str, status: int, content: bytes) -> dict[str, 
             raise UpstreamStatusError(server, status, detail, role=role)
         if 400 <= status < 500:
             raise UpstreamRejected(server, status, detail, role=role)
-        raise UpstreamStatusError(server, status, role=role)
+        # 1xx, another 2xx, 3xx: no answer and no error, so nothing it says is about the request (never
+        # a status to hand a client, as a failure "the same" on two servers would be).
+        raise UpstreamBadReply(server, f"HTTP {status}, which is no answer", role=role)
     try:
         reply = _decode_reply(content)
     except (msgspec.DecodeError, RecursionError):

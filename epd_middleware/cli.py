@@ -1,53 +1,76 @@
-"""``epd-middleware check``: what an operator runs before and after a rollout.
+"""epd-middleware check: what an operator runs before and after a rollout.
 
-    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME] [--pd URL] [--json]
+    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME] [--pd URL]
+                         [--timeout SECONDS] [--json]
     python -m epd_middleware check ...
 
-Reads the same ``EPD_*`` environment as the middleware (flags override it), looks up the ``dns+http://``
-names, and asks every encoder and prefill server once for ``GET /health`` and ``GET /v1/models``. Prints
-one line per server (URL, reachable, model, health latency, verdict) and exits 0 when every server is
-reachable and serves the expected model (without ``--expected-model``: when they all serve the same), 1
-when any is not, 2 when the configuration itself is wrong (every mistake named, one line each; with
-``--json`` also as ``configuration_errors`` on stdout). Warnings (unknown ``EPD_*`` variables,
-contradicting timeouts) are printed and do not change the exit status.
+Reads the same EPD_* environment as the middleware (flags override it), looks up the dns+http:// names,
+and asks every encoder and prefill server once for GET /health and GET /v1/models. Prints one line per
+server (URL, reachable, model, health latency, verdict), one "problem:" line per problem (a bad server,
+a name that does not resolve, a status page that cannot be read) and one "warning:" line per warning
+(an unknown EPD_* variable with the option it is nearest to, a URL whose /v1 is stripped, contradicting
+timeouts; warnings do not change the exit status).
 
-``--pd URL`` also reads the running PD server's status page (``status_path``, with the first of
-``EPD_API_KEYS``, else ``VLLM_API_KEY``, where keys are set): what the middleware inside it knows about
-vLLM there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as
+Exit status: 0 when every server is reachable and serves the expected model (without --expected-model:
+when they all serve the same); 1 when any is not; 2 when the configuration itself is wrong (the
+environment, --pd or --timeout: every mistake named, one line each on stderr); 141 (128 + SIGPIPE)
+when whoever reads the output goes away before it is written, as in "check | head -1", quietly.
+
+--json prints one JSON object of the same shape for every exit: ok, configuration_errors, warnings,
+servers (each with its verdict, its model or null, and its served models), problems (the lines the
+text names, configuration errors included) and pd.
+
+--timeout SECONDS: how long each server (and each name lookup) has to answer each question; by default
+EPD_HEALTH_CHECK_TIMEOUT.
+
+--pd URL also reads the running PD server's status page (EPD_STATUS_PATH, with the first of
+EPD_API_KEYS, else VLLM_API_KEY, where keys are set): what the middleware inside it knows about vLLM
+there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as
 warnings; a status page that cannot be read (no answer, not JSON, nested too deep, of the wrong shape,
-over :data:`MAX_ANSWER`) is a problem.
+over 8 MiB) is a problem. The URL is http(s)://HOST[:PORT]; a password in it is never shown.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
+import math
 import os
+import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 
 from . import __version__
-from ._addresses import masked
+from ._addresses import masked, port_number
 from ._compat import Expectation, check_models
 from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
+from ._logs import logger
 from ._metrics import Stats
 from ._pool import PoolPolicy, ServerPool
 from .config import ConfigurationError, EPDConfig, unknown_variables
 from .host import vllm_api_keys
 from .transport import Transport
 
-__all__ = ["MAX_ANSWER", "ServerReport", "check_fleet", "main"]
+__all__ = ["MAX_ANSWER", "PIPE_CLOSED", "ServerReport", "check_fleet", "main"]
 
 # The largest answer the command reads from any server: a status page of thousands of servers, or a
 # /v1/models of many models, is far smaller; a server that says more is not read to the end.
 MAX_ANSWER = 8 * 1024 * 1024
+
+# The exit status when the reader of the output has gone (``check | head -1``): 128 + SIGPIPE, what a
+# shell reports for a command a closed pipe ends. Not 0 or 1 (Python's own exit status on EPIPE): those
+# are verdicts, and a reader that left has seen none.
+PIPE_CLOSED = 128 + 13
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +78,7 @@ class ServerReport:
     role: str
     url: str
     reachable: bool
-    model: str  # what it serves, for people
+    model: str | None  # what it serves, for people; None when it did not say (unreachable)
     health_ms: float | None
     verdict: str
     ok: bool
@@ -78,19 +101,43 @@ async def _health(client: Transport, url: str, headers: dict[str, str], limit: f
     return ("ok" if status == 200 else f"HTTP {status}"), elapsed
 
 
+async def _unresolved(url: str, limit: float) -> str | None:
+    """Why ``url``'s host cannot be looked up, or None when it can (or is an address). The HTTP client
+    says only "connection failed (gaierror)" for a name that does not resolve, which reads like a server
+    that is down; the command looks the name up first to say which of the two it is."""
+    host = urlsplit(url).hostname or ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return None
+    try:
+        with anyio.fail_after(limit):
+            await anyio.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except TimeoutError:
+        return f"host {host} not resolved within {limit:g} s"
+    except socket.gaierror as exc:
+        return f"host {host} cannot be resolved ({exc.strerror})"
+    except (OSError, UnicodeError) as exc:  # the IDNA encoding refuses some names
+        return f"host {host} cannot be resolved ({type(exc).__name__})"
+    return None
+
+
 async def check_fleet(
-    config: EPDConfig, client: Transport, expected: str | None
+    config: EPDConfig, client: Transport, expected: str | None, limit: float | None = None
 ) -> tuple[list[ServerReport], list[str]]:
-    """One report per server, and the problems found before any server was asked (DNS)."""
+    """One report per server, and the problems found before any server was asked (DNS). ``limit``: the
+    seconds each server and each lookup has for each question (default: ``health_check_timeout``)."""
     headers = {"authorization": config.encoder_authorization} if config.encoder_authorization else {}
     expectation = Expectation(frozenset({expected})) if expected else None
-    timeout = config.health_check_timeout
+    limit = config.health_check_timeout if limit is None else limit
     problems: list[str] = []
     servers: list[tuple[str, str]] = []
     for role, urls in (("encoder", config.encoders), ("prefill", config.prefill)):
-        pool = ServerPool(role, PoolPolicy(timeout), Stats())
+        pool = ServerPool(role, PoolPolicy(limit), Stats())
         discovery = Discovery(
-            pool, urls, config.dns_refresh_interval, config.dns_timeout, config.dns_nameservers
+            pool, urls, config.dns_refresh_interval, min(config.dns_timeout, limit), config.dns_nameservers
         )
         if discovery.dynamic:
             await discovery.refresh()
@@ -102,19 +149,29 @@ async def check_fleet(
         servers.extend((role, url) for url in pool.members)
 
     results: dict[tuple[str, str], tuple[tuple[str, float], Any]] = {}
+    unresolved: dict[tuple[str, str], str] = {}
 
     async def one(role: str, url: str) -> None:
-        health = await _health(client, url, headers, timeout)
-        models = await check_models(client, url, expectation, headers, timeout)
+        reason = await _unresolved(url, limit)
+        if reason is not None:
+            unresolved[(role, url)] = reason
+            return
+        health = await _health(client, url, headers, limit)
+        models = await check_models(client, url, expectation, headers, limit)
         results[(role, url)] = (health, models)
 
     async with anyio.create_task_group() as group:
         for role, url in servers:
             group.start_soon(one, role, url)
 
-    served_sets = {results[key][1].served for key in servers if results[key][1].state != "unreachable"}
+    answered = [results[key][1] for key in servers if key in results]
+    served_sets = {models.served for models in answered if models.state != "unreachable"}
     reports = []
     for role, url in servers:
+        if (role, url) in unresolved:
+            verdict = f"not usable: {unresolved[(role, url)]}"
+            reports.append(ServerReport(role, url, False, None, None, verdict, False))
+            continue
         (health, health_ms), models = results[(role, url)]
         reachable = models.state != "unreachable" or health == "ok"
         if models.state == "unreachable":
@@ -132,7 +189,7 @@ async def check_fleet(
                 role,
                 url,
                 reachable,
-                models.served if models.state != "unreachable" else "-",
+                models.served if models.state != "unreachable" else None,
                 round(health_ms, 1) if health == "ok" else None,
                 verdict,
                 verdict == "ok",
@@ -153,7 +210,7 @@ def _table(reports: Sequence[ServerReport], problems: Sequence[str]) -> str:
                 report.role,
                 report.url,
                 "yes" if report.reachable else "no",
-                report.model,
+                "-" if report.model is None else report.model,
                 "-" if report.health_ms is None else f"{report.health_ms:.1f}",
                 report.verdict,
             )
@@ -164,8 +221,7 @@ def _table(reports: Sequence[ServerReport], problems: Sequence[str]) -> str:
         for row in rows
     ]
     lines.extend(f"problem: {problem}" for problem in problems)
-    bad = sum(not report.ok for report in reports) + len(problems)
-    lines.append("all servers ok" if not bad else f"{bad} problem(s)")
+    lines.append("all servers ok" if not problems else f"{len(problems)} problem(s)")
     return "\n".join(lines)
 
 
@@ -188,15 +244,72 @@ def _server_problems(environ: dict[str, str]) -> list[str]:
     return []
 
 
+def _pd_url(text: str, warnings: list[str]) -> str:
+    """``--pd``'s URL as the command asks it; ValueError naming what is wrong. Every message, and every
+    line that names the URL later, shows it masked (:func:`masked`): a password in it is never repeated.
+    A trailing /v1 (an OpenAI-style base URL) is stripped with a warning, as the middleware does with
+    encoder URLs: the status page is no /v1 route."""
+    shown = masked(text)
+    if "://" not in text:
+        # "pd:8000" would be read as scheme "pd" and fail as a server that cannot be reached.
+        raise ValueError(f"--pd {shown!r} is not a URL (no scheme); give it as http://{shown}")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--pd {shown!r} is not an http(s) URL with a host")
+    port = parts.netloc.rpartition("]")[2].rpartition(":")
+    if port[1] and port_number(port[2]) is None:
+        raise ValueError(f"--pd {shown!r}: the port must be a number from 1 to 65535")
+    if parts.query or parts.fragment:
+        raise ValueError(f"--pd {shown!r} must not carry a query or fragment")
+    url = text.rstrip("/")
+    if parts.path.rstrip("/").endswith("/v1"):
+        url = url.removesuffix("/v1")
+        warnings.append(f"pd URL {masked(url)}/v1: the status page is not under /v1; using {masked(url)}")
+    return url
+
+
+def _timeout(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"--timeout {text!r}: give the seconds each server has to answer, a number above 0")
+    return seconds
+
+
+class _Collected(logging.Handler):
+    """The middleware's WARNING lines, as the command's warnings (``epd: ...`` without the prefix)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage().removeprefix("epd: "))
+
+
+@contextmanager
+def _collected() -> Iterator[list[str]]:
+    """The WARNING lines the middleware logs meanwhile (the configuration's own: a URL whose /v1 it
+    strips); the command lists them rather than letting them go to a log nobody reads here."""
+    handler = _Collected()
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+
+
 async def pd_status(
-    config: EPDConfig, client: Transport, url: str
+    config: EPDConfig, client: Transport, url: str, limit: float | None = None
 ) -> tuple[dict[str, Any] | None, str | None]:
     """The PD's status page as the middleware inside it writes it, or why it could not be read. Any
     answer is a page or a reason, never an exception: its ``model_runner`` is a string or null and its
     ``known_problems`` a list of strings (either may be missing, from an older middleware)."""
     keys = (*config.api_keys, *vllm_api_keys())
     headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
-    limit = config.health_check_timeout
+    limit = config.health_check_timeout if limit is None else limit
     try:
         with anyio.fail_after(limit):
             status, body = await client.request(
@@ -227,24 +340,24 @@ async def pd_status(
 
 
 async def _run(
-    args: argparse.Namespace, config: EPDConfig
+    args: argparse.Namespace, config: EPDConfig, pd_url: str | None, limit: float
 ) -> tuple[list[ServerReport], list[str], dict[str, Any] | None]:
-    client = HTTPClient(
-        connect_timeout=min(config.connect_timeout, config.health_check_timeout), max_body=MAX_ANSWER
-    )
+    client = HTTPClient(connect_timeout=min(config.connect_timeout, limit), max_body=MAX_ANSWER)
     try:
         expected = args.expected_model or config.expected_model
-        reports, problems = await check_fleet(config, client, expected)
+        reports, problems = await check_fleet(config, client, expected, limit)
         pd = None
-        if args.pd:
-            shown = masked(args.pd)  # the command line's URL may carry a password
-            page, error = await pd_status(config, client, args.pd)
+        if pd_url is not None:
+            error = await _unresolved(pd_url, limit)
+            page = None
+            if error is None:
+                page, error = await pd_status(config, client, pd_url, limit)
             if error is not None:
-                problems.append(f"pd {shown}: status page: {error}")
+                problems.append(f"pd {masked(pd_url)}: status page: {error}")
             else:
                 assert page is not None
                 pd = {
-                    "url": shown,
+                    "url": masked(pd_url),
                     "model_runner": page.get("model_runner"),
                     "known_problems": page.get("known_problems", []),
                 }
@@ -253,8 +366,36 @@ async def _run(
         await client.aclose()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="epd-middleware", description="epd-middleware operator commands")
+def _payload(
+    configuration_errors: Sequence[str],
+    warnings: Sequence[str],
+    reports: Sequence[ServerReport],
+    problems: Sequence[str],
+    pd: dict[str, Any] | None,
+) -> str:
+    """The JSON of every exit, one shape: a script reads the same keys whether the configuration or a
+    server is at fault."""
+    payload = {
+        "ok": not problems,
+        "configuration_errors": list(configuration_errors),
+        "warnings": list(warnings),
+        "servers": [asdict(report) for report in reports],
+        "problems": list(problems),
+        "pd": pd,
+    }
+    return json.dumps(payload, indent=1)
+
+
+class _Parser(argparse.ArgumentParser):
+    def print_help(self, file: Any = None) -> None:
+        # argparse drops an OSError writing its help, so --help into a closed pipe would exit 0 where
+        # stdout is unbuffered and 141 where it is buffered (the error then comes at the flush): written
+        # here, a closed pipe ends --help as it ends the check.
+        (file or sys.stdout).write(self.format_help())
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="epd-middleware", description="epd-middleware operator commands")
     parser.add_argument("--version", action="version", version=f"epd-middleware {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
@@ -271,41 +412,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument(
         "--pd", help="the PD server's URL: read its status page for what it knows about vLLM there"
     )
+    check.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        help="how long each server has to answer each question (default: EPD_HEALTH_CHECK_TIMEOUT)",
+    )
     check.add_argument("--json", action="store_true", help="print JSON for scripts")
     check.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _check(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
     # Warnings are this command's output, not log lines on stderr beside it.
-    logging.getLogger("epd_middleware").addHandler(logging.NullHandler())
+    logger.addHandler(logging.NullHandler())
     environ = _environment(args)
     errors = _server_problems(environ)
     warnings = unknown_variables(environ)
     config: EPDConfig | None = None
-    try:
-        config = EPDConfig.from_env(environ)
+    with _collected() as logged:
+        try:
+            config = EPDConfig.from_env(environ)
+        except ConfigurationError as exc:
+            errors = [*exc.problems, *errors]
+    # from_env logs the unknown variables too: each is listed once.
+    warnings.extend(line for line in logged if line not in warnings)
+    if config is not None:
         warnings.extend(config.warnings())
-    except ConfigurationError as exc:
-        errors = [*exc.problems, *errors]
+    timeout = config.health_check_timeout if config is not None else 0.0
+    if args.timeout is not None:
+        try:
+            timeout = _timeout(args.timeout)
+        except ValueError as exc:
+            errors.append(str(exc))
+    pd_url = None
+    if args.pd is not None:
+        try:
+            pd_url = _pd_url(args.pd, warnings)
+        except ValueError as exc:
+            errors.append(str(exc))
     if errors or config is None:
         if args.json:
-            payload = {"ok": False, "configuration_errors": errors, "warnings": warnings, "servers": []}
-            print(json.dumps(payload, indent=1))
-        for error in errors:
-            print(f"epd-middleware check: {error}", file=sys.stderr)
+            print(_payload(errors, warnings, [], errors, None))
+        for line in [*(f"warning: {warning}" for warning in warnings), *errors]:
+            print(f"epd-middleware check: {line}", file=sys.stderr)
         return 2
-    reports, problems, pd = anyio.run(_run, args, config, backend=args.backend)
+    reports, problems, pd = anyio.run(_run, args, config, pd_url, timeout, backend=args.backend)
     if pd is not None:
         warnings.extend(f"pd {pd['url']}: {problem}" for problem in pd["known_problems"])
-    ok = all(report.ok for report in reports) and not problems
+    # Every problem the text counts, a bad server as much as an unreadable status page.
+    problems = [f"{r.role} {r.url}: {r.verdict}" for r in reports if not r.ok] + problems
     if args.json:
-        payload = {
-            "ok": ok,
-            "configuration_errors": [],
-            "warnings": warnings,
-            "servers": [asdict(report) for report in reports],
-            "problems": problems,
-            "pd": pd,
-        }
-        print(json.dumps(payload, indent=1))
+        print(_payload([], warnings, reports, problems, pd))
     else:
         print("\n".join([*(f"warning: {warning}" for warning in warnings), _table(reports, problems)]))
-    return 0 if ok else 1
+    return 0 if not problems else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _check(argv)
+        finally:
+            # Here, not at the interpreter's exit: a reader that has gone is seen while it can be
+            # answered (argparse's --help and usage errors leave by SystemExit through here too).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own answer is a traceback ("Exception ignored ... BrokenPipeError") and exit 120. What
+        # is left unwritten goes nowhere, so that the interpreter's last flush finds no closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        return PIPE_CLOSED

@@ -267,6 +267,14 @@ class EPDConfig(BaseModel):
         ge=0,
         description="Seconds sent in Retry-After with a 503.",
     )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description=(
+            "The middleware's log lines: 'text' (through vLLM's handlers inside vLLM, each line about a "
+            "request starting 'request <id>:'), or 'json' (one object a line on stderr: time, level, "
+            "logger, request_id, message), for log pipelines."
+        ),
+    )
     expose_upstream_addresses: bool = Field(
         default=False,
         description=(
@@ -722,6 +730,7 @@ class EPDOptions(TypedDict, total=False):
     max_inflight_per_encoder: int
     max_pending_requests: int
     retry_after: int
+    log_format: Literal["text", "json"]
     expose_upstream_addresses: bool
     paths: Sequence[str]
     batch_paths: Sequence[str]

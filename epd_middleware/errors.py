@@ -76,7 +76,9 @@ class EPDError(Exception):
             phrase = HTTPStatus(self.status).phrase
         except ValueError:
             phrase = "Client" if 400 <= self.status < 500 else "Server"
-        return phrase.replace(" ", "").replace("-", "") + "Error"
+        name = phrase.replace(" ", "").replace("-", "")
+        # "Internal Server Error" is vLLM's InternalServerError, not ...ErrorError.
+        return name if name.endswith("Error") else name + "Error"
 
     def body(self) -> bytes:
         return _encode(

@@ -80,6 +80,8 @@ class Host:
     # What is done with media no encoder could take (the on_encoder_failure option): "local" leaves it
     # to this server's engine, which only some servers can do (local_encoding_blocker).
     on_encoder_failure: str = "error"
+    # vLLM's --enable-request-id-headers: its answers carry X-Request-Id, so the middleware's own do too.
+    request_id_headers: bool = False
     # Where media is encoded (the placement option): "local" and "adaptive" leave some to this engine.
     placement: str = "remote"
     # The requests the local engine has unfinished, asked when a placement is decided; None: not known.
@@ -154,6 +156,7 @@ class Host:
             media_policy=_media_policy(vllm_config),
             unguarded_routes=_unguarded_routes(args),
             trusts_request_mm_kwargs=bool(getattr(args, "trust_request_mm_kwargs", True)),
+            request_id_headers=getattr(args, "enable_request_id_headers", False) is True,
             model_runner=_model_runner(vllm_config),
             push_wait_s=_push_wait(ec),
             media_decode_budget=_media_decode_budget(),

@@ -1,12 +1,17 @@
 """deploy/kubernetes: every overlay renders (kubectl kustomize), and the rendered objects keep their
 contract with each other and with the package: selectors match labels, EPD_ENCODERS names the headless
 Service and its port, every EPD_* variable is an option with a valid value, each role runs vLLM with
-the flags it needs, the EPP configuration names plugins llm-d has and profiles that exist, and the HPA
-scales on a metric the middleware exports. With deploy/kubernetes/monitoring beside each of them: the
-ServiceMonitor scrapes the port vLLM serves /metrics on, and every metric the dashboard, the alerts and
-the prometheus-adapter rule name is one the package exports, with the labels they use. Every rendered
-object is valid against Kubernetes' own schemas (kubernetes-validate, strict), or for the custom kinds
-against the essential fields of their CRDs."""
+the flags it needs, the EPP configuration names plugins llm-d has and profiles that exist, and the HPAs
+scale on metrics the adapter serves. What an operator applies: requests and limits on every container,
+every pod under the "restricted" Pod Security Standard, all three probes on every vLLM server, the model
+cache shared and the token from a Secret, the PD servers' disruption budget and autoscaler, the llm-d
+overlays' stated CRDs and their HTTPRoute, and the EC storage's cleanup (its script run on real files).
+With deploy/kubernetes/monitoring beside each of them: the ServiceMonitor scrapes the port vLLM serves
+/metrics on, and every metric the dashboard, the alerts and the prometheus-adapter rules name is one the
+package (or, for the PD servers' HPA, vLLM) exports, with the labels they use. Every rendered object is
+valid against Kubernetes' own schemas (kubernetes-validate, strict), or for the custom kinds against the
+essential fields of their CRDs. The image (deploy/docker/Dockerfile) copies what its build needs, LICENSE
+included, and says truly which dependencies it leaves to vLLM's image."""
 
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -158,7 +164,10 @@ def test_every_selector_matches_the_labels_it_selects(rendered: tuple[str, list[
         for port in service["spec"]["ports"]:
             assert port["targetPort"] in ports, f"Service {name} targets a port its pods do not name"
     for name, pdb in of_kind(objects, "PodDisruptionBudget").items():
-        assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(deployments["epd-encoder"])), name
+        chosen = [
+            d for d in deployments.values() if selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(d))
+        ]
+        assert [d["metadata"]["name"] for d in chosen] == [name], name
 
 
 def test_pd_finds_the_encoders_through_the_headless_service(
@@ -231,7 +240,7 @@ def test_encoders_scale_on_a_metric_the_middleware_exports(
     rendered: tuple[str, list[dict[str, Any]]],
 ) -> None:
     _, objects = rendered
-    [hpa] = of_kind(objects, "HorizontalPodAutoscaler").values()
+    hpa = of_kind(objects, "HorizontalPodAutoscaler")["epd-encoder"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == "epd-encoder"
     [metric] = hpa["spec"]["metrics"]
     name = metric["external"]["metric"]["name"]
@@ -295,12 +304,348 @@ def test_llm_d_overlays_wire_the_pool_the_picker_and_the_middleware(
         assert all(entry.endswith(":8000") for entry in allow)
 
 
+# --- What an operator applies (issue 31, point 4): resources, security, probes, the model, the cache ---
+
+_QUANTITY = re.compile(r"([0-9.]+)(m|k|M|G|T|Ki|Mi|Gi|Ti)?")
+_SUFFIX = {
+    None: 1,
+    "m": 1e-3,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity (``500m``, ``8Gi``, ``2``) as a number."""
+    found = _QUANTITY.fullmatch(str(value))
+    assert found is not None, f"not a quantity: {value!r}"
+    return float(found[1]) * _SUFFIX[found[2]]
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(kind/name, pod spec) of every object that runs pods."""
+    for obj in objects:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield where, obj["spec"]["template"]["spec"]
+        elif obj["kind"] == "CronJob":
+            yield where, obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*spec["containers"], *spec.get("initContainers", [])]
+
+
+def mounted(spec: dict[str, Any], item: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume ``item`` (a container) mounts at ``path`` or above it."""
+    [mount] = [
+        m for m in item["volumeMounts"] if path == m["mountPath"] or path.startswith(m["mountPath"] + "/")
+    ]
+    [volume] = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    return dict(volume)
+
+
+def test_every_container_asks_for_and_is_bounded_in_cpu_memory_and_gpu(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """No pod had CPU or memory requests or limits (the scheduler could pack a node until vLLM was
+    OOM-killed); the picker had none at all. Every container now asks for CPU and memory and is bounded,
+    every vLLM server asks for its GPU, and a memory-backed volume (/dev/shm) is bounded below the memory
+    limit of every container that writes it: its pages count against that limit."""
+    _, objects = rendered
+    for where, spec in pod_specs(objects):
+        memory_volumes = {
+            volume["name"]: quantity(volume["emptyDir"]["sizeLimit"])
+            for volume in spec.get("volumes", [])
+            if volume.get("emptyDir", {}).get("medium") == "Memory"
+        }
+        for item in containers(spec):
+            resources = item.get("resources", {})
+            for bound in ("requests", "limits"):
+                assert {"cpu", "memory"} <= resources.get(bound, {}).keys(), (
+                    f"{where}: {item['name']} {bound}"
+                )
+            for name, limit in resources["limits"].items():
+                assert quantity(resources["requests"].get(name, limit)) <= quantity(limit), f"{where}: {name}"
+            for mount in item.get("volumeMounts", []):
+                if mount["name"] in memory_volumes:
+                    assert memory_volumes[mount["name"]] < quantity(resources["limits"]["memory"]), where
+    for deployment in vllm_servers(objects):
+        name, spec = deployment["metadata"]["name"], deployment["spec"]["template"]["spec"]
+        resources = container(deployment)["resources"]
+        # An extended resource: requests, where given, must equal limits.
+        assert quantity(resources["limits"]["nvidia.com/gpu"]) >= 1, name
+        assert (
+            resources["requests"].get("nvidia.com/gpu", resources["limits"]["nvidia.com/gpu"])
+            == (resources["limits"]["nvidia.com/gpu"])
+        )
+        shm = mounted(spec, container(deployment), "/dev/shm")
+        assert shm["emptyDir"]["medium"] == "Memory", name
+        assert "sizeLimit" in shm["emptyDir"], name
+
+
+def restricted_violations(spec: dict[str, Any]) -> list[str]:
+    """What in a pod spec the "restricted" Pod Security Standard refuses (kubernetes.io/docs/concepts/
+    security/pod-security-standards), the checks that apply to these manifests."""
+    found = []
+    pod_context = spec.get("securityContext", {})
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(flag):
+            found.append(flag)
+    found += [f"hostPath volume {v['name']}" for v in spec.get("volumes", []) if "hostPath" in v]
+    for item in containers(spec):
+        context = {**pod_context, **item.get("securityContext", {})}
+        name = item["name"]
+        if context.get("privileged"):
+            found.append(f"{name}: privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation is not false")
+        if context.get("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot is not true")
+        if context.get("runAsUser") == 0:
+            found.append(f"{name}: runAsUser 0")
+        if context.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: no seccompProfile RuntimeDefault")
+        capabilities = item.get("securityContext", {}).get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities do not drop ALL")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: adds capabilities {capabilities['add']}")
+    return found
+
+
+def test_every_pod_runs_under_the_restricted_pod_security_standard(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """No pod had a securityContext: vLLM ran as the image's root with every default capability, and a
+    namespace enforcing the "restricted" standard refused every pod. Now every pod passes it: not root,
+    no privilege escalation, no capabilities, the runtime's seccomp profile."""
+    _, objects = rendered
+    for where, spec in pod_specs(objects):
+        assert restricted_violations(spec) == [], where
+    # The check itself refuses what it must.
+    assert restricted_violations({"containers": [{"name": "c"}], "hostNetwork": True}) == [
+        "hostNetwork",
+        "c: allowPrivilegeEscalation is not false",
+        "c: runAsNonRoot is not true",
+        "c: no seccompProfile RuntimeDefault",
+        "c: capabilities do not drop ALL",
+    ]
+
+
+def test_every_vllm_server_is_probed_for_start_readiness_and_life(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """No vLLM pod had a liveness probe: an engine that died (vLLM's /health then answers 503 for good)
+    stayed in the Service, or in the encoders' DNS answer, until someone deleted the pod. Every vLLM
+    container now has all three probes on vLLM's /health: start-up allows a model's load, liveness
+    restarts a dead engine but not a busy one, and it gives up no sooner than readiness does."""
+    _, objects = rendered
+
+    def patience(probe: dict[str, Any]) -> int:
+        return int(probe.get("periodSeconds", 10)) * int(probe.get("failureThreshold", 3))
+
+    for deployment in vllm_servers(objects):
+        name, item = deployment["metadata"]["name"], container(deployment)
+        ports = {p["name"]: p["containerPort"] for p in item["ports"]}
+        probes = {kind: item.get(f"{kind}Probe") for kind in ("startup", "readiness", "liveness")}
+        for kind, probe in probes.items():
+            assert probe is not None, f"{name}: no {kind} probe"
+            assert probe["httpGet"]["path"] == "/health", name
+            assert f"--port={ports[probe['httpGet']['port']]}" in item["args"], name
+            # /health waits behind a busy event loop: a one-second timeout would fail a healthy server.
+            assert int(probe.get("timeoutSeconds", 1)) >= 5, f"{name}: {kind}"
+        startup, readiness, liveness = probes["startup"], probes["readiness"], probes["liveness"]
+        assert patience(startup) >= 600, name  # a model's download and load
+        assert patience(liveness) >= 60, name
+        assert patience(liveness) >= patience(readiness), name
+
+
+def test_the_model_is_downloaded_once_and_the_token_comes_from_a_secret(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Every pod downloaded the model into its own container on every start, and a gated model had no
+    way in but a token written into the manifest. Now every vLLM server reads the Hugging Face token from
+    one Secret (never shipped here) and keeps the Hugging Face cache on one ReadWriteMany volume, which
+    all of them share: the first pod downloads, the others and every restart read it."""
+    _, objects = rendered
+    assert not of_kind(objects, "Secret"), "a secret in the manifests"
+    claims = of_kind(objects, "PersistentVolumeClaim")
+    secrets, caches = set(), set()
+    for deployment in vllm_servers(objects):
+        name, item = deployment["metadata"]["name"], container(deployment)
+        variables = {variable["name"]: variable for variable in item["env"]}
+        reference = variables["HF_TOKEN"]["valueFrom"]["secretKeyRef"]
+        secrets.add((reference["name"], reference["key"]))
+        for variable in variables.values():
+            assert not ("TOKEN" in variable["name"] and "value" in variable), f"{name}: {variable['name']}"
+        home = variables["HF_HOME"]["value"]
+        volume = mounted(deployment["spec"]["template"]["spec"], item, home)
+        caches.add(volume["persistentVolumeClaim"]["claimName"])
+    assert len(secrets) == 1, secrets
+    [cache] = caches
+    assert claims[cache]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_pd_servers_have_a_disruption_budget_and_an_autoscaler(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Only the encoders had a PodDisruptionBudget and an HPA: a node drain could take every PD server
+    at once, and the PD servers never scaled. Now they have both; the HPA scales on the queue of their
+    engines, a per-pod metric the adapter serves (test_the_adapter_serves_every_hpa_its_metric)."""
+    _, objects = rendered
+    deployment = of_kind(objects, "Deployment")["epd-pd"]
+    pdb = of_kind(objects, "PodDisruptionBudget")["epd-pd"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels(deployment))
+    assert pdb["spec"].get("maxUnavailable", 0) == 1 or "minAvailable" in pdb["spec"]
+    hpa = of_kind(objects, "HorizontalPodAutoscaler")["epd-pd"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "epd-pd"}
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert re.sub(r"^vllm_", "vllm:", metric["pods"]["metric"]["name"]) in VLLM_SERIES
+    # Scaling down drops engines with requests on them: slower than scaling up.
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+
+def _needs(overlay: str) -> dict[str, str]:
+    """What an overlay's kustomization.yaml says the cluster must have: ``CRD <plural>.<group> (<version>)``
+    lines, and ``Gateway <name>``, from its comments."""
+    text = (DEPLOY / overlay / "kustomization.yaml").read_text()
+    comments = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    needs = {name: version for name, version in re.findall(r"CRD ([a-z0-9.]+) \((v[a-z0-9]+)\)", comments)}
+    needs |= {f"Gateway {name}": "" for name in re.findall(r"Gateway ([a-z0-9-]+) ", comments)}
+    return needs
+
+
+def test_the_llm_d_overlays_say_what_they_need_and_ship_the_route(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The llm-d overlays rendered an InferencePool and nothing routed to it, and said nowhere that the
+    cluster needs the InferencePool CRD: kubectl apply failed with "no matches for kind" and, with the
+    CRD, no request reached the pool. Each now names every CRD its objects need (with the version) and the
+    Gateway its HTTPRoute attaches to, and ships the HTTPRoute to the pool."""
+    overlay, objects = rendered
+    if overlay == "base":
+        assert not of_kind(objects, "HTTPRoute")
+        return
+    needs = _needs(overlay)
+    for obj in render(overlay):
+        group, _, version = obj["apiVersion"].rpartition("/")
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM_SCHEMAS:
+            crd = f"{obj['kind'].lower()}s.{group}"
+            assert needs.get(crd) == version, f"{overlay} does not say it needs {crd} ({version})"
+    [pool] = of_kind(objects, "InferencePool").values()
+    [route] = of_kind(objects, "HTTPRoute").values()
+    [parent] = route["spec"]["parentRefs"]
+    assert parent.get("kind", "Gateway") == "Gateway"
+    assert f"Gateway {parent['name']}" in needs, f"{overlay} does not name the Gateway {parent['name']}"
+    [rule] = route["spec"]["rules"]
+    [backend] = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
+
+
+def _cleanup(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    [cronjob] = of_kind(objects, "CronJob").values()
+    spec = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    [item] = spec["containers"]
+    return cronjob, item
+
+
+def _run_cleanup(item: dict[str, Any], storage: Path, path: str | None = None) -> str:
+    variables = {variable["name"]: variable["value"] for variable in item["env"]}
+    environment = {**variables, "EC_CACHE": str(storage), "PATH": path or os.environ["PATH"]}
+    command = [*item["command"], *item.get("args", [])]
+    return subprocess.run(command, env=environment, capture_output=True, text=True, check=True).stdout
+
+
+def test_old_embeddings_are_cleaned_from_the_shared_storage(
+    rendered: tuple[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """ECExampleConnector writes every embedding to <shared_storage_path>/<mm_hash>/
+    encoder_cache.safetensors and nothing ever deleted one: the ReadWriteMany volume filled until the
+    encoders failed. A CronJob now deletes embeddings older than its documented age (EC_MAX_AGE_MINUTES,
+    well above the longest request) and the directories they leave empty, on the volume the pods share at
+    the path they use; never two runs at once. The script is run here on a directory of old and young
+    files, with this machine's find and, where there is one, busybox's (the CronJob's image)."""
+    _, objects = rendered
+    cronjob, item = _cleanup(objects)
+    assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
+    spec = cronjob["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    variables = {variable["name"]: variable["value"] for variable in item["env"]}
+    # The volume and path of the encoders' storage.
+    encoder = of_kind(objects, "Deployment")["epd-encoder"]
+    ec = flag_json(container(encoder)["args"], "--ec-transfer-config")
+    storage = ec["ec_connector_extra_config"]["shared_storage_path"]
+    claim = mounted(encoder["spec"]["template"]["spec"], container(encoder), storage)["persistentVolumeClaim"]
+    assert (
+        mounted(spec, item, variables["EC_CACHE"])["persistentVolumeClaim"]["claimName"] == claim["claimName"]
+    )
+    assert [m["mountPath"] for m in item["volumeMounts"] if m["mountPath"] == variables["EC_CACHE"]]
+    max_age = int(variables["EC_MAX_AGE_MINUTES"]) * 60
+    assert max_age >= 10 * EPDConfig.model_fields["prefill_timeout"].default  # well above the longest call
+
+    finds = [None]
+    if shutil.which("busybox"):
+        # The image's find: busybox, on a PATH of its applets.
+        applets = tmp_path / "busybox-bin"
+        applets.mkdir()
+        for applet in ("sh", "find", "wc", "rm", "rmdir"):
+            (applets / applet).symlink_to(shutil.which("busybox") or "")
+        finds.append(str(applets))
+    now = time.time()
+    for path in finds:
+        root = tmp_path / ("cache-busybox" if path else "cache")
+        old, young = now - max_age - 600, now - max_age + 600
+        files = {}
+        for name, when in (("old", old), ("young", young)):
+            folder = root / f"hash-{name}"
+            folder.mkdir(parents=True)
+            files[name] = folder / "encoder_cache.safetensors"
+            files[name].write_bytes(b"x")
+            os.utime(files[name], (when, when))
+            os.utime(folder, (when, when))
+        for name, when in (("empty-old", old), ("empty-young", young), ("lost+found", old)):
+            (root / name).mkdir()
+            os.utime(root / name, (when, when))
+        (root / "hash-other").mkdir()
+        (root / "hash-other" / "notes.txt").write_text("not an embedding")
+        os.utime(root / "hash-other" / "notes.txt", (old, old))
+        output = _run_cleanup(item, root, path)
+        assert "1 embedding" in output, output
+        left = sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+        assert left == [
+            "empty-young",
+            "hash-old",  # emptied now: its own age starts again
+            "hash-other",
+            "hash-other/notes.txt",
+            "hash-young",
+            "hash-young/encoder_cache.safetensors",
+            "lost+found",
+        ], (path, left)
+
+
 # --- Monitoring: what Prometheus scrapes, and the metric names the dashboard, alerts and adapter use ---
 
 
 class Series(NamedTuple):
     type: str  # the metric family's type: counter, gauge, histogram
     labels: frozenset[str]
+
+
+# vLLM's own series the manifests name (the PD servers' HPA scales on their engine queue): the tests'
+# knowledge, from vLLM 0.32's vllm/v1/metrics/loggers.py (a gauge per engine, labels model_name, engine).
+VLLM_SERIES: Final = {"vllm:num_requests_waiting": Series("gauge", frozenset({"model_name", "engine"}))}
 
 
 def exported_series() -> dict[str, Series]:
@@ -617,10 +962,12 @@ def test_the_dashboard_charts_exported_metrics_only() -> None:
     }
 
 
-def test_the_adapter_serves_the_hpa_its_metric() -> None:
-    exported = exported_series()
-    [hpa] = of_kind(render("base"), "HorizontalPodAutoscaler").values()
-    [metric] = hpa["spec"]["metrics"]
+def test_the_adapter_serves_every_hpa_its_metric() -> None:
+    """The encoders' HPA reads an external metric (externalRules), the PD servers' HPA a per-pod metric of
+    vLLM's (rules): the adapter's configuration serves each under the name the HPA asks for."""
+    exported = exported_series() | VLLM_SERIES
+    hpas = of_kind(render("base"), "HorizontalPodAutoscaler")
+    assert set(hpas) == {"epd-encoder", "epd-pd"}
     [config_map] = of_kind(render(ADAPTER), "ConfigMap").values()
     # Where prometheus-adapter's own manifests have it read its --config (deploy/manifests/config-map.yaml).
     assert (config_map["metadata"]["name"], config_map["metadata"]["namespace"]) == (
@@ -628,24 +975,36 @@ def test_the_adapter_serves_the_hpa_its_metric() -> None:
         "monitoring",
     )
     config = yaml.safe_load(config_map["data"]["config.yaml"])
-    assert config.keys() == {"externalRules"}
-    [rule] = config["externalRules"]
-    series = check_promql(rule["seriesQuery"], exported)
-    # No name rule: the external metric is named as the series, which is the HPA's metric.
-    assert "name" not in rule
-    assert series.metrics == {metric["external"]["metric"]["name"]}
-    # The HPA's namespace restricts the query through the namespace label the scrape adds.
-    assert rule["resources"] == {"overrides": {"namespace": {"resource": "namespace"}}}
-    assert "namespace" in TARGET_LABELS
-    assert "<<.Series>>" in rule["metricsQuery"]
-    assert "<<.LabelMatchers>>" in rule["metricsQuery"]
-    query = (
-        rule["metricsQuery"]
-        .replace("<<.Series>>", next(iter(series.metrics)))
-        .replace("<<.LabelMatchers>>", 'namespace="epd"')
-        .replace("<<.GroupBy>>", "namespace")
-    )
-    check_promql(query, exported)
+    assert config.keys() == {"rules", "externalRules"}
+    served: dict[tuple[str, str], dict[str, Any]] = {}
+    for kind, rules in (("External", config["externalRules"]), ("Pods", config["rules"])):
+        for rule in rules:
+            series = check_promql(rule["seriesQuery"], exported)
+            [name] = series.metrics
+            if "name" in rule:  # renamed: a name with ":" is no name for the metrics APIs
+                assert re.fullmatch(rule["name"]["matches"], name)
+                name = re.sub(rule["name"]["matches"], rule["name"]["as"], name)
+            served[(kind, name)] = rule
+            # The HPA's namespace (and, per pod, its pods) restrict the query through the labels the
+            # scrape adds.
+            overrides = {"namespace": {"resource": "namespace"}}
+            if kind == "Pods":
+                overrides["pod"] = {"resource": "pod"}
+            assert rule["resources"] == {"overrides": overrides}
+            assert set(overrides) <= TARGET_LABELS
+            assert "<<.Series>>" in rule["metricsQuery"]
+            assert "<<.LabelMatchers>>" in rule["metricsQuery"]
+            query = (
+                rule["metricsQuery"]
+                .replace("<<.Series>>", next(iter(series.metrics)))
+                .replace("<<.LabelMatchers>>", 'namespace="epd"')
+                .replace("<<.GroupBy>>", ", ".join(overrides))
+            )
+            check_promql(query, exported)
+    for name, hpa in hpas.items():
+        [metric] = hpa["spec"]["metrics"]
+        asked = metric[metric["type"].lower()]["metric"]["name"]
+        assert (metric["type"], asked) in served, f"HorizontalPodAutoscaler/{name}: {asked} is not served"
 
 
 # --- Every object valid for the API server ---
@@ -655,6 +1014,8 @@ def test_the_adapter_serves_the_hpa_its_metric() -> None:
 # does for the built-in kinds): add it here from the CRD first.
 #   InferencePool: kubernetes-sigs/gateway-api-inference-extension,
 #     config/crd/bases/inference.networking.k8s.io_inferencepools.yaml (version v1)
+#   HTTPRoute: kubernetes-sigs/gateway-api, config/crd/standard/gateway.networking.k8s.io_httproutes.yaml
+#     (version v1; the Duration of GEP-2257; "Must have port for Service reference")
 #   ServiceMonitor, PrometheusRule: prometheus-operator/prometheus-operator,
 #     example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml and
 #     monitoring.coreos.com_prometheusrules.yaml (version v1)
@@ -690,7 +1051,110 @@ def _resource(api_version: str, kind: str, spec: dict[str, Any]) -> dict[str, An
 
 
 _MATCH_LABELS = _object({"matchLabels": {**_LABELS, "minProperties": 1}}, "matchLabels")
+_DNS_NAME = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_GROUP = {
+    "type": "string",
+    "maxLength": 253,
+    "pattern": rf"^$|^{_DNS_NAME}",
+}
+_KIND = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 63,
+    "pattern": r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$",
+}
+_OBJECT_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+_NAMESPACE = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 63,
+    "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+}
+_GATEWAY_DURATION = {"type": "string", "pattern": r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"}
 CUSTOM_SCHEMAS: Final = {
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): _resource(
+        "gateway.networking.k8s.io/v1",
+        "HTTPRoute",
+        _object(
+            {
+                "parentRefs": {
+                    "type": "array",
+                    "maxItems": 32,
+                    "items": _object(
+                        {
+                            "group": _GROUP,
+                            "kind": _KIND,
+                            "name": _OBJECT_NAME,
+                            "namespace": _NAMESPACE,
+                            "sectionName": {**_OBJECT_NAME, "pattern": f"^{_DNS_NAME}"},
+                        },
+                        "name",
+                    ),
+                },
+                "hostnames": {
+                    "type": "array",
+                    "maxItems": 16,
+                    "items": {
+                        **_OBJECT_NAME,
+                        "pattern": rf"^(\*\.)?{_DNS_NAME}",
+                    },
+                },
+                "rules": {
+                    "type": "array",
+                    "maxItems": 16,
+                    "items": _object(
+                        {
+                            "matches": {
+                                "type": "array",
+                                "maxItems": 64,
+                                "items": _object(
+                                    {
+                                        "path": _object(
+                                            {
+                                                "type": {
+                                                    "enum": ["Exact", "PathPrefix", "RegularExpression"]
+                                                },
+                                                "value": {"type": "string", "maxLength": 1024},
+                                            }
+                                        )
+                                    }
+                                ),
+                            },
+                            "backendRefs": {
+                                "type": "array",
+                                "maxItems": 16,
+                                "items": _object(
+                                    {
+                                        "group": _GROUP,
+                                        "kind": _KIND,
+                                        "name": _OBJECT_NAME,
+                                        "namespace": _NAMESPACE,
+                                        "port": _PORT,
+                                        "weight": {"type": "integer", "minimum": 0, "maximum": 1000000},
+                                    },
+                                    "name",
+                                    # The CRD's rule: "Must have port for Service reference" (kind defaults
+                                    # to Service, group to the core group "").
+                                    **{
+                                        "if": {
+                                            "properties": {
+                                                "group": {"const": ""},
+                                                "kind": {"const": "Service"},
+                                            }
+                                        },
+                                        "then": {"required": ["port"]},
+                                    },
+                                ),
+                            },
+                            "timeouts": _object(
+                                {"request": _GATEWAY_DURATION, "backendRequest": _GATEWAY_DURATION}
+                            ),
+                        }
+                    ),
+                },
+            }
+        ),
+    ),
     ("inference.networking.k8s.io/v1", "InferencePool"): _resource(
         "inference.networking.k8s.io/v1",
         "InferencePool",
@@ -831,3 +1295,82 @@ def test_the_promql_check_refuses_what_prometheus_would_not_answer(expr: str, wh
     with pytest.raises(AssertionError) as caught:
         check_promql(expr, exported_series())
     assert why in str(caught.value)
+
+
+# --- The image: deploy/docker/Dockerfile ---
+
+DOCKERFILE = DEPLOY.parent / "docker" / "Dockerfile"
+PROJECT = DEPLOY.parent.parent
+
+
+def _dockerfile_lines() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments left out."""
+    joined = DOCKERFILE.read_text().replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _image_build_directory() -> tuple[str, set[str]]:
+    """The directory the image's ``pip install`` builds, and the paths (relative to it) that the COPY
+    lines put there, directories as their files: what the build backend sees."""
+    [install] = [line for line in _dockerfile_lines() if "pip install" in line]
+    [target] = [word for word in install.split() if word.startswith("/src/")]
+    staged: set[str] = set()
+    for line in _dockerfile_lines():
+        if not line.startswith("COPY "):
+            continue
+        *sources, destination = line.split()[1:]
+        for source in sources:
+            where = destination.rstrip("/") + "/" + source if destination.endswith("/") else destination
+            found = PROJECT / source
+            files = [found] if found.is_file() else [p for p in found.rglob("*") if p.is_file()]
+            for path in files:
+                inside = (where + "/" + path.relative_to(found).as_posix()) if found.is_dir() else where
+                if inside.startswith(target + "/"):
+                    staged.add(inside.removeprefix(target + "/"))
+    return target, staged
+
+
+def _pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")
+    project: dict[str, Any] = tomllib.loads((PROJECT / "pyproject.toml").read_text())
+    return project
+
+
+def test_the_image_builds_the_package_with_its_license() -> None:
+    """The image's install builds the wheel from what the COPY lines put in its directory. LICENSE was not
+    among them: hatchling builds the wheel without a word, but with no License-File in its metadata and
+    no LICENSE in its dist-info (pyproject.toml's license-files names it)."""
+    pyproject = _pyproject()
+    _, staged = _image_build_directory()
+    needed = {"pyproject.toml", pyproject["project"]["readme"], *pyproject["project"]["license-files"]}
+    assert needed <= staged, needed - staged
+    for package in pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]:
+        assert f"{package}/__init__.py" in staged
+    # The build itself says so where a file goes missing again: the dist-info is read after the install.
+    [install] = [line for line in _dockerfile_lines() if "pip install" in line]
+    assert "m.files('epd-middleware')" in install
+    assert "'LICENSE'" in install
+
+
+def test_the_image_installs_no_dependency_and_says_which_are_there_already() -> None:
+    """The Dockerfile installs with --no-deps, saying every dependency is in vLLM's image already; its list
+    left out typing_extensions and urllib3, and nothing checked the claim. Now the comment names each
+    dependency of pyproject.toml (and the metrics extra), and `pip check` fails the build where one is
+    missing or too old."""
+    pyproject = _pyproject()["project"]
+    comment = " ".join(
+        line.lstrip("# ") for line in DOCKERFILE.read_text().splitlines() if line.startswith("#")
+    )
+    found = re.search(r"Every dependency of the package \(([^)]*)\)", comment)
+    assert found is not None
+    named = {re.sub(r"[-_.]+", "-", name).lower() for name in re.findall(r"[A-Za-z][\w.-]*", found[1])}
+    named -= {"for", "the", "metrics"}
+    required = {
+        re.sub(r"[-_.]+", "-", re.split(r"[^A-Za-z0-9_.-]", spec, maxsplit=1)[0]).lower()
+        for spec in [*pyproject["dependencies"], *pyproject["optional-dependencies"]["metrics"]]
+    }
+    assert named == required, (named - required, required - named)
+    [install] = [line for line in _dockerfile_lines() if "pip install" in line]
+    assert "--no-deps" in install
+    assert "pip check" in install
+    assert "grep '^epd-middleware '" in install

@@ -308,3 +308,28 @@ async def test_a_client_vllm_would_refuse_is_not_read_here() -> None:
     assert (await post(app, media, "/v1/embeddings")).status_code == 200  # the app's to refuse
     refused = await post(app, media, "/v1/embeddings", authorization="Bearer k")
     assert refused.status_code == 501
+
+
+async def test_an_embedding_handed_to_the_engine_counts_as_used_now(tmp_path: Path) -> None:
+    """The cleanup CronJob deletes embeddings by age: the age of one the engine is about to load, reused
+    or referenced, starts again at the last check before the engine, or an image in constant use would be
+    deleted under a queued request every EC_MAX_AGE_MINUTES (issue 31, point 4)."""
+    import os
+
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = inside_vllm(encoders, engine, tmp_path)
+    body = chat_body(image(png(1)))
+    assert (await post(app, body)).status_code == 200
+    uuid = encoders.calls[0].body["messages"][0]["content"][0]["uuid"]  # the hash: no options
+    stored_file = tmp_path / uuid / "encoder_cache.safetensors"
+    os.utime(stored_file, (1_000_000, 1_000_000))  # written long ago
+    assert (await post(app, body)).status_code == 200  # reused: no new encoder call
+    assert len(encoders.calls) == 1
+    assert stored_file.stat().st_mtime > 1_000_000
+
+    identifier = "d" * 64
+    stored(tmp_path, identifier)
+    referenced = tmp_path / identifier / "encoder_cache.safetensors"
+    os.utime(referenced, (1_000_000, 1_000_000))
+    assert (await post(app, chat_body(reference(identifier)))).status_code == 200
+    assert referenced.stat().st_mtime > 1_000_000

@@ -503,7 +503,9 @@ async def test_responses_images_are_encoded_with_options_and_pinned_never_rewrit
     app, _ = build_app(encoders, engine, max_batch_size=8)
     body = responses_body(
         {"role": "user", "content": [input_image(png(1)), {"type": "input_text", "text": "Describe."}]},
-        {"role": "assistant", "content": [input_image(png(2))]},  # vLLM keeps only an assistant's text
+        # vLLM keeps only an assistant's first text (one whose first part has none it keeps whole:
+        # tests/test_third_attack.py)
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a cat"}, input_image(png(2))]},
         {"type": "function_call_output", "call_id": "c1", "output": [input_image(png(3))]},
         **OPTIONS,
     )

@@ -214,7 +214,8 @@ def test_rewritten_body_keeps_unrelated_fields_and_messages() -> None:
         {"type": "image_embeds", "image_embeds": {"g": [1]}, "uuid": "u"}
     ]
     assert out["extra_body_field"] == body["extra_body_field"]
-    assert out["ec_transfer_params"] == {"h": {"metadata": {"g": [1]}}}  # none of the client's (issue 29)
+    # The middleware's handles alone: nothing of the client's (issue 29, item 6).
+    assert out["ec_transfer_params"] == {"h": {"metadata": {"g": [1]}}}
     # The parsed request is not mutated: a second rewrite starts from the original.
     assert request.fields["messages"][1]["content"][0]["type"] == "image_url"
 

@@ -41,8 +41,9 @@ __all__ = [
 
 
 # What every part or field the middleware must see holds, spelled without escapes: "_url" or "_audio"
-# (media parts, input_audio), "_embeds" (references), "_xargs" (vllm_xargs).
-_TOKENS = (b"_url", b"_audio", b"_embeds", b"_xargs")
+# (media parts, input_audio), "_pil" (image_pil, a reference by uuid), "_embeds" (references), "_xargs"
+# (vllm_xargs).
+_TOKENS = (b"_url", b"_audio", b"_pil", b"_embeds", b"_xargs")
 
 
 def may_hold_media(body: bytes) -> bool:
@@ -180,6 +181,8 @@ def reference_of(part: Mapping[str, Any], location: tuple[int, ...], kind: str |
 def media_of(part: Mapping[str, Any], kind: str | None) -> tuple[str, tuple[str | Raw, ...] | None] | None:
     """(modality, media content) for a raw media part of ``kind``, content None for a uuid-only
     reference."""
+    if kind in p.UUID_ONLY_PARTS:
+        return p.UUID_ONLY_PARTS[kind], None
     if kind not in p.MEDIA_PARTS:
         return None
     modality, holder_key, inner_key = p.MEDIA_PARTS[kind]

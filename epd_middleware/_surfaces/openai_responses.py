@@ -5,9 +5,10 @@ vLLM 0.32 turns a Responses request into chat messages (``entrypoints/openai/res
 system, developer) message item keeps its content list, so its ``input_image`` parts (``{"type":
 "input_image", "image_url": "<url>"}``) are images found exactly as in chat completions, a ``uuid``
 included (the request's items keep extra keys); a ``function_call_output`` item becomes a tool message
-whose content is its ``output``, images included; an assistant item keeps only its first text. The
-request takes ``mm_processor_kwargs``, ``media_io_kwargs``, ``priority`` and ``ec_transfer_params``
-like chat completions.
+whose content is its ``output``, images included; an assistant item keeps only its first text, unless
+its first part has none: then vLLM passes it on whole, images included. The request takes
+``mm_processor_kwargs``, ``media_io_kwargs``, ``priority`` and ``ec_transfer_params`` like chat
+completions.
 
 So parts are found and encoded as chat parts are, with the content uuid pinned, and the options are
 forwarded. They are never rewritten to metadata-only references: a Responses input item accepts only
@@ -57,8 +58,18 @@ def _parts_key(item: Mapping[str, Any]) -> str | None:
     if item.get(p.TYPE) in _TOOL_OUTPUTS:
         return _OUTPUT
     role = item.get("role")
-    if role is None or role == "assistant":
-        return None  # output items, reasoning, calls; an assistant item keeps only its first text
+    if role is None:
+        return None  # output items, reasoning, calls
+    if role == "assistant":
+        # vLLM keeps the first text of an assistant item's content list, but passes the item on whole,
+        # media included, when that first part has no "text" (``_construct_message_from_response_item``).
+        content = item.get(p.CONTENT)
+        if not isinstance(content, list) or not content:
+            return None
+        first = content[0]
+        if not isinstance(first, dict):
+            raise Unusable  # vLLM reads it with .get(): not a shape to guess at
+        return None if first.get("text") is not None else p.CONTENT
     return p.CONTENT
 
 

@@ -38,6 +38,9 @@ class Deployment:
     # plugin with EPD_SCHEDULER=llm-d and no pools: llm-d's headers name encoder-1 and control, which
     # the allowlist admits (exact host and port); kv_consumer
     pd_llmd: lab.VLLMServer
+    # plugin with EPD_PLACEMENT=adaptive: small images encoded here, large ones and video on the encoders,
+    # everything here while every encoder is busy (their GET /load, probed each second)
+    pd_adaptive: lab.VLLMServer
     # Video: the test clip, through single / encoders / pd (which take one video per prompt).
     video: Path
     # Audio: a tiny Qwen2-Audio of its own, with its own single instance, encoder, PD and storage.
@@ -59,6 +62,7 @@ class Deployment:
             self.pd_multi,
             self.pd_decode,
             self.pd_llmd,
+            self.pd_adaptive,
             self.audio_single,
             self.audio_encoder,
             self.audio_pd,
@@ -91,6 +95,9 @@ class MooncakeDeployment:
 
 
 MOONCAKE_PUSH_WAIT = 4.0
+# The seed image is 234 vision tokens on the tiny model (its processor caps images at 200,704 pixels):
+# one is small, four are not.
+PLACEMENT_SMALL_TOKENS = 300
 _mooncake: MooncakeDeployment | None = None
 
 
@@ -125,7 +132,22 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeplo
     deployment = MooncakeDeployment(
         single=lab.single_server(python, model, logs, name="mooncake-single"),
         encoders=encoders,
-        pd=lab.pd_server(python, model, logs, unused, urls, name="mooncake-pd", connector="mooncake"),
+        # adaptive placement that would keep every image here, on a PD that cannot encode: never here
+        pd=lab.pd_server(
+            python,
+            model,
+            logs,
+            unused,
+            urls,
+            name="mooncake-pd",
+            connector="mooncake",
+            extra_env={
+                "EPD_PLACEMENT": "adaptive",
+                "EPD_PLACEMENT_SMALL_TOKENS": "100000",
+                "EPD_PLACEMENT_ENCODER_BUSY_CALLS": "1",
+                "EPD_HEALTH_CHECK_INTERVAL": "1",
+            },
+        ),
         pd_without_shim=lab.pd_server(
             python,
             model,
@@ -141,6 +163,8 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeplo
             extra_env={"EPD_ON_ENCODER_FAILURE": "local"},
         ),
     )
+    for encoder in encoders:
+        encoder.args += ["--enable-server-load-tracking"]
     _start(deployment.all)
     _mooncake = deployment
     try:
@@ -225,6 +249,21 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             },
             kv=("kv_consumer", kv_storage),
         ),
+        pd_adaptive=lab.pd_server(
+            python,
+            model,
+            logs,
+            storage,
+            urls,
+            via="plugin",
+            name="pd-adaptive",
+            extra_env={
+                "EPD_PLACEMENT": "adaptive",
+                "EPD_PLACEMENT_SMALL_TOKENS": str(PLACEMENT_SMALL_TOKENS),
+                "EPD_PLACEMENT_ENCODER_BUSY_CALLS": "1",
+                "EPD_HEALTH_CHECK_INTERVAL": "1",
+            },
+        ),
         video=video,
         audio=audio,
         audio_storage=audio_storage,
@@ -242,12 +281,20 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         ),
     )
     deployment.audio_pd.env["EPD_ENCODERS"] = deployment.audio_encoder.url
-    for server in (deployment.single, *deployment.encoders, deployment.pd, deployment.control):
+    for server in (
+        deployment.single,
+        *deployment.encoders,
+        deployment.pd,
+        deployment.control,
+        deployment.pd_adaptive,
+    ):
         server.limits = '{"image":4,"video":1}'
     for server in (deployment.audio_single, deployment.audio_encoder, deployment.audio_pd):
         server.limits = '{"audio":2}'
         server.served_name = AUDIO_MODEL
     deployment.pd_multi.args += ["--api-server-count", "2"]
+    for encoder in deployment.encoders:  # their GET /load: what placement reads of an encoder's own load
+        encoder.args += ["--enable-server-load-tracking"]
     _start(deployment.all)
     _deployment = deployment
     try:

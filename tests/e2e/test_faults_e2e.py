@@ -8,11 +8,10 @@ good ones its output.
 
 from __future__ import annotations
 
+import base64
 import shutil
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,12 +20,20 @@ import pytest
 from epd_lab.seed import seed_image, seed_request
 
 from .conftest import Deployment
-from .test_vllm_e2e import AUTH, MODEL, assert_same, chat, chat_calls, encode_directly, record
+from .slow_media import slow_media_host
+from .test_vllm_e2e import AUTH, MODEL, access_log_count, assert_same, chat, encode_directly, record
 
 pytestmark = pytest.mark.e2e
 
 NOT_BASE64 = "data:image/png,not-base64-at-all"
 UNRESOLVABLE = "http://images.nope.invalid/cat.png"
+
+
+def refusals(server: Any) -> int:
+    """Chat completions the server answered 500 or 501."""
+    return sum(
+        access_log_count(server, f'"POST /v1/chat/completions HTTP/1.1" {code}') for code in (500, 501)
+    )
 
 
 def status(server: Any) -> dict[str, Any]:
@@ -44,9 +51,9 @@ def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deplo
     single_answers = {name: chat(deployment.single, body) for name, body in bad_bodies.items()}
     assert single_answers["non-base64 data URL"].status_code == 501
     assert single_answers["unresolvable image host"].status_code == 500
-    honest = [seed_request(MODEL, images=[seed_image(shift=700 + i)]) for i in range(6)]
+    honest = [seed_request(MODEL, images=[seed_image(shift=177 + 10 * i)]) for i in range(6)]
     baselines = [chat(deployment.single, body) for body in honest]
-    calls_before = sum(chat_calls(server) for server in deployment.encoders)
+    refusals_before = sum(refusals(server) for server in deployment.encoders)
     attacks: list[tuple[str, int, dict[str, Any]]] = []
     stop = threading.Event()
 
@@ -79,31 +86,7 @@ def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deplo
     blamed = sum(state["failures_by_blame"].get("request", 0) for state in page["encoders"].values())
     assert blamed >= len(attacks)
     # One encoder call per bad request, not one per encoder.
-    calls = sum(chat_calls(server) for server in deployment.encoders) - calls_before
-    assert calls == len(attacks) + len(honest)
-
-
-class _SlowImage(BaseHTTPRequestHandler):
-    """Serves the seed image a second after it is asked for, and at that moment removes the embedding
-    the request's client reference names (a cleanup during a slow sibling call)."""
-
-    image: bytes = b""
-    remove: Path | None = None
-    asked = threading.Event()
-
-    def do_GET(self) -> None:
-        if self.remove is not None:
-            shutil.rmtree(self.remove, ignore_errors=True)
-        type(self).asked.set()
-        time.sleep(1.0)
-        self.send_response(200)
-        self.send_header("content-type", "image/png")
-        self.send_header("content-length", str(len(self.image)))
-        self.end_headers()
-        self.wfile.write(self.image)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+    assert sum(refusals(server) for server in deployment.encoders) - refusals_before == len(attacks)
 
 
 def test_a_client_reference_removed_while_its_request_is_prepared_is_refused_and_the_engine_lives(
@@ -111,30 +94,27 @@ def test_a_client_reference_removed_while_its_request_is_prepared_is_refused_and
 ) -> None:
     """Before: references were checked once, before the encoder calls; one removed during a slow call
     reached the engine, whose core died on it."""
-    import base64
-
     uuid = "e2e-reference-removed-mid-request"
-    reply = encode_directly(deployment, seed_image(shift=811), uuid, None)
+    reply = encode_directly(deployment, seed_image(shift=251), uuid, None)
     [(mm_hash, entry)] = reply["ec_transfer_params"].items()
     assert (deployment.storage / mm_hash).is_dir()
-    _SlowImage.image = base64.b64decode(seed_image(shift=812).split(",", 1)[1])
-    _SlowImage.remove = deployment.storage / mm_hash
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowImage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        body = seed_request(MODEL, images=[f"http://127.0.0.1:{server.server_port}/slow.png"])
+    image = base64.b64decode(seed_image(shift=252).split(",", 1)[1])
+
+    def cleanup() -> None:  # removes the referenced embedding while the sibling's fetch waits
+        shutil.rmtree(deployment.storage / mm_hash, ignore_errors=True)
+
+    with slow_media_host(image, 1.0, on_get=cleanup) as (url, asked):
+        body = seed_request(MODEL, images=[url])
         body["messages"][0]["content"].insert(
             0, {"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": uuid}
         )
         response = chat(deployment.pd, body, AUTH)
-    finally:
-        server.shutdown()
+        assert asked.is_set()  # the sibling call was under way when it went
     record("client reference removed mid-request", response)
-    assert _SlowImage.asked.is_set()  # the sibling call was under way when it went
     assert response.status_code == 400, response.text
     assert "no longer has" in response.json()["error"]["message"]
     # The engine keeps serving.
-    body = seed_request(MODEL, images=[seed_image(shift=813)])
+    body = seed_request(MODEL, images=[seed_image(shift=253)])
     baseline = chat(deployment.single, body)
     after = chat(deployment.pd, body, AUTH)
     record("E + PD after a reference removed mid-request", after, baseline)

@@ -189,22 +189,6 @@ def test_mooncake_negative_control_without_the_shim_an_idle_pd_fails_after_the_p
     assert "not running it again" in log
 
 
-def test_mooncake_killing_one_encoder_mid_run_loses_no_request(mooncake: MooncakeDeployment) -> None:
-    """Two encoders, one killed (SIGKILL) half-way: every request still answered by push from the other,
-    equal to the single instance."""
-    for index in range(6):
-        if index == 2:
-            mooncake.encoders[1].kill()
-        body = seed_request(MODEL, images=[seed_image(shift=100 + 10 * index)])
-        before = len(pushed_loads(mooncake.pd))
-        baseline = chat(mooncake.single, body)
-        response = chat(mooncake.pd, body)
-        record(f"E + PD Mooncake, encoder-1 killed after 2, request {index}", response, baseline)
-        assert_same(response, baseline)
-        assert len(settle_log(mooncake.pd, before + 1)) == before + 1
-    assert not mooncake.encoders[1].alive()
-
-
 def test_mooncake_bad_media_gets_vllms_own_answer_and_keeps_both_encoders(
     mooncake: MooncakeDeployment,
 ) -> None:
@@ -247,6 +231,71 @@ def test_mooncake_the_canary_encode_is_answered_by_a_real_encoder_without_a_push
     attempt.read(mooncake.encoders[0].url, reply.json())  # a handle for the canary image
     time.sleep(1)
     assert len(pushed_loads(mooncake.pd)) == before
+
+
+def test_mooncake_adaptive_placement_never_encodes_on_the_pd_even_with_every_encoder_busy(
+    mooncake: MooncakeDeployment,
+) -> None:
+    """Issue 30: the PD runs placement=adaptive with a size threshold every image is under, and sees its
+    encoders saturated (their GET /load): its engine cannot encode (it waits for a push of every item),
+    so every item still goes to an encoder, by push, and the answer equals the single instance."""
+    import base64
+
+    from .slow_media import slow_media_host
+
+    page = status(mooncake.pd)["placement"]
+    assert page["mode"] == "adaptive"
+    assert "ECMooncakeConnector consumer" in page["why_not_local"]
+    image = base64.b64decode(seed_image(shift=225).split(",", 1)[1])
+    body = seed_request(MODEL, images=[seed_image(shift=226)])
+    baseline = chat(mooncake.single, body)
+    with slow_media_host(image, 6.0) as (url, _):
+        import threading
+
+        busy = [
+            threading.Thread(
+                target=httpx.post,
+                args=(f"{encoder.url}/v1/chat/completions",),
+                kwargs={"json": seed_request(MODEL, images=[url]), "timeout": 120},
+                daemon=True,
+            )
+            for encoder in mooncake.encoders
+        ]
+        for thread in busy:
+            thread.start()
+        deadline = time.monotonic() + 5
+        while not status(mooncake.pd)["placement"]["encoders_saturated"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        before = len(pushed_loads(mooncake.pd))
+        decisions = status(mooncake.pd)["placement"]["decisions"]
+        response = chat(mooncake.pd, body)
+        after = status(mooncake.pd)["placement"]["decisions"]
+        for thread in busy:
+            thread.join(timeout=120)
+    record("Mooncake PD, adaptive placement, encoders busy", response, baseline)
+    assert_same(response, baseline)
+    assert len(settle_log(mooncake.pd, before + 1)) == before + 1  # by push
+    assert {k: after[k] - decisions.get(k, 0) for k in after if after[k] != decisions.get(k, 0)} == {
+        "remote_pd_cannot_encode": 1
+    }
+    assert not any(key.startswith("local") for key in after)
+
+
+def test_mooncake_killing_one_encoder_mid_run_loses_no_request(mooncake: MooncakeDeployment) -> None:
+    """Two encoders, one killed (SIGKILL) half-way: every request still answered by push from the other,
+    equal to the single instance."""
+    for index in range(6):
+        if index == 2:
+            mooncake.encoders[1].kill()
+        body = seed_request(MODEL, images=[seed_image(shift=100 + 10 * index)])
+        before = len(pushed_loads(mooncake.pd))
+        baseline = chat(mooncake.single, body)
+        response = chat(mooncake.pd, body)
+        record(f"E + PD Mooncake, encoder-1 killed after 2, request {index}", response, baseline)
+        assert_same(response, baseline)
+        assert len(settle_log(mooncake.pd, before + 1)) == before + 1
+    assert not mooncake.encoders[1].alive()
 
 
 def test_mooncake_with_every_encoder_down_the_client_gets_the_middlewares_error_inside_the_push_wait(

@@ -183,15 +183,15 @@ def test_streaming_gives_the_same_text(deployment: Deployment) -> None:
 
 def chat_calls(server: lab.VLLMServer) -> int:
     """Chat completions the server answered, whatever the status."""
-    return _access_log_count(server, '"POST /v1/chat/completions HTTP/1.1"')
+    return access_log_count(server, '"POST /v1/chat/completions HTTP/1.1"')
 
 
 def served_requests(server: lab.VLLMServer) -> int:
     """Chat completions the server answered 200."""
-    return _access_log_count(server, '"POST /v1/chat/completions HTTP/1.1" 200')
+    return access_log_count(server, '"POST /v1/chat/completions HTTP/1.1" 200')
 
 
-def _access_log_count(server: lab.VLLMServer, line: str) -> int:
+def access_log_count(server: lab.VLLMServer, line: str) -> int:
     """Lines of the server's access log holding ``line``, once that stopped growing (uvicorn writes a
     line after the response went out, so the last one may still be on its way)."""
     count = -1
