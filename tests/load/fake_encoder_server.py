@@ -4,6 +4,8 @@ level: refuse connections, answer 500, hang, answer garbage, or drop the connect
     python -m tests.load.fake_encoder_server PORT [--faults SECONDS] [--host ADDRESS] [--storage DIR]
                                                   [--model NAME] [--call-ms MS] [--image-ms MS]
                                                   [--slots N] [--fetch-fail-ms MS]
+                                                  [--encode-fixed-ms MS] [--encode-token-us US]
+                                                  [--grid fixed|qwen2.5-vl]
 
 With --faults it cycles through every fault in turn, SECONDS each, and never answers correctly.
 With --storage it writes each embedding it reports where ECExampleConnector would
@@ -18,7 +20,13 @@ not known]" (InternalServerError) after --fetch-fail-ms, the time vLLM's fetch r
 never looked up: the fake reads only the string.
 
 Service time (all 0 by default: answers at once): --call-ms per call, concurrent (the API server's part
-of a call), then --image-ms per image in one of --slots encode slots (the ViT: one batch at a time).
+of a call), then, in one of --slots encode slots (the ViT: one batch at a time; the other calls wait
+their turn in arrival order, the encoder's queue), --image-ms per image plus --encode-fixed-ms plus
+--encode-token-us per vision token of the call's images (benchmarks/placement.py). ``--grid
+qwen2.5-vl`` reports each image's ``image_grid_thw`` from its size as Qwen2.5-VL's processor computes
+it (tests/load/vision_tokens.py), instead of the fixed [1, 26, 36]. ``GET /load`` answers
+``{"server_load": N}`` as vLLM does under ``--enable-server-load-tracking`` (the requests being
+served), and ``GET /metrics`` vLLM's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ import json
 import os
 import sys
 import time
+
+from tests.load.vision_tokens import grid_thw, png_size, tokens_of_grid
 
 FAULTS = ("refuse", "500", "hang", "garbage", "drop")
 # The middleware's canary encode (epd_middleware/_canary.py), counted apart in /stats.
@@ -66,12 +76,23 @@ def derived_hash(model: str, uuid: str, body: dict) -> str:
     ).hexdigest()[:40]
 
 
-def reply(body: dict, request_id: str = "random-id") -> bytes:
+def grid_of(part: dict, grid: str) -> list[int]:
+    """The image's ``image_grid_thw``: the fixed one, or (qwen2.5-vl) from the size of a PNG data URL;
+    media whose size is not read here gets the fixed one."""
+    if grid == "fixed":
+        return [1, 26, 36]
+    try:
+        return grid_thw(*png_size((part.get("image_url") or {}).get("url", "")))
+    except (ValueError, IndexError):
+        return [1, 26, 36]
+
+
+def reply(body: dict, request_id: str = "random-id", grid: str = "fixed") -> bytes:
     entries = {}
     for index, part in enumerate(body["messages"][0]["content"]):
         entries[derived_hash(body["model"], part["uuid"], body)] = {
             "item_indices": [index],
-            "metadata": {"image_grid_thw": [1, 26, 36]},
+            "metadata": {"image_grid_thw": grid_of(part, grid)},
         }
     answer = {"id": f"chatcmpl-{request_id}", "choices": [], "ec_transfer_params": entries}  # as vLLM's
     return json.dumps(answer).encode()
@@ -105,10 +126,22 @@ class Encoder:
         self.call_s = cost.get("call_ms", 0.0) / 1000
         self.image_s = cost.get("image_ms", 0.0) / 1000
         self.fetch_fail_s = cost.get("fetch_fail_ms", 0.0) / 1000
+        self.encode_fixed_s = cost.get("encode_fixed_ms", 0.0) / 1000
+        self.encode_token_s = cost.get("encode_token_us", 0.0) / 1e6
         self.slots = asyncio.Semaphore(int(cost.get("slots", 1)))
+        self.grid = "fixed"
+        self.in_flight = 0  # calls being served (GET /load)
+        self.encoding = 0  # of which in a slot
         self.started = time.monotonic()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
+
+    def metrics(self) -> bytes:
+        labels = f'{{engine="0",model_name="{self.models[0]}"}}'
+        return (
+            f"vllm:num_requests_running{labels} {float(self.encoding)}\n"
+            f"vllm:num_requests_waiting{labels} {float(self.in_flight - self.encoding)}\n"
+        ).encode()
 
     def store(self, entries: dict) -> None:
         """As ECExampleConnector: the file exists when the answer goes out (a few microseconds)."""
@@ -150,6 +183,14 @@ class Encoder:
                     writer.write(response(200, json.dumps(self.served).encode()))
                     await writer.drain()
                     continue
+                if path == "/load":
+                    writer.write(response(200, json.dumps({"server_load": self.in_flight}).encode()))
+                    await writer.drain()
+                    continue
+                if path == "/metrics":
+                    writer.write(response(200, self.metrics()))
+                    await writer.drain()
+                    continue
                 mode = self.mode()
                 if mode == "ok":
                     request = json.loads(body)
@@ -162,8 +203,12 @@ class Encoder:
                         writer.write(response(status, json.dumps(error).encode()))
                         await writer.drain()
                         continue
-                    await self.encode(request, len(body))
-                    answer = reply(request, request_id)
+                    self.in_flight += 1
+                    try:
+                        await self.encode(request, len(body))
+                    finally:
+                        self.in_flight -= 1
+                    answer = reply(request, request_id, self.grid)
                     if self.storage is not None:
                         self.store(json.loads(answer)["ec_transfer_params"])
                     writer.write(response(200, answer))
@@ -174,7 +219,7 @@ class Encoder:
                 elif mode == "garbage":
                     writer.write(response(200, b"\x00\xffnot json at all"))
                 elif mode in ("drop", "refuse"):
-                    full = response(200, reply(json.loads(body), request_id))
+                    full = response(200, reply(json.loads(body), request_id, self.grid))
                     writer.write(full[: len(full) // 2])
                     await writer.drain()
                     writer.transport.abort()
@@ -194,9 +239,16 @@ class Encoder:
         self.served["canaries"] += any(part.get("uuid") == CANARY_UUID for part in parts)
         if self.call_s:
             await asyncio.sleep(self.call_s)
-        if self.image_s:
+        slot_s = self.image_s * len(parts) + self.encode_fixed_s
+        if self.encode_token_s:
+            slot_s += self.encode_token_s * sum(tokens_of_grid(grid_of(part, self.grid)) for part in parts)
+        if slot_s:
             async with self.slots:
-                await asyncio.sleep(self.image_s * len(parts))
+                self.encoding += 1
+                try:
+                    await asyncio.sleep(slot_s)
+                finally:
+                    self.encoding -= 1
 
     async def run(self) -> None:
         listening = True
@@ -223,9 +275,17 @@ if __name__ == "__main__":
     port = int(sys.argv[1])
     options = dict(zip(sys.argv[2::2], sys.argv[3::2], strict=True))
     phase = float(options["--faults"]) if "--faults" in options else None
-    cost_flags = ("--call-ms", "--image-ms", "--slots", "--fetch-fail-ms")
+    cost_flags = (
+        "--call-ms",
+        "--image-ms",
+        "--slots",
+        "--fetch-fail-ms",
+        "--encode-fixed-ms",
+        "--encode-token-us",
+    )
     cost = {flag[2:].replace("-", "_"): float(options[flag]) for flag in cost_flags if flag in options}
     encoder = Encoder(port, phase, options.get("--host", "127.0.0.1"), options.get("--storage"), cost)
     if "--model" in options:
         encoder.models = [options["--model"]]
+    encoder.grid = options.get("--grid", "fixed")
     asyncio.run(encoder.run())
