@@ -216,7 +216,7 @@ def test_mooncake_the_canary_encode_is_answered_by_a_real_encoder_without_a_push
     Mooncake producer encodes it, reports its handle, and pushes nothing to anyone."""
     from epd_middleware._canary import canary
 
-    attempt = canary(MODEL, None)()
+    attempt = canary(MODEL, None, None).attempt()
     body = (
         b"".join(bytes(piece) for piece in attempt.body) if isinstance(attempt.body, list) else attempt.body
     )
