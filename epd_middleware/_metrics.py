@@ -1,9 +1,10 @@
 """What the middleware counts and measures: in-process counters (for the status endpoint) and Prometheus
 metrics, registered in ``prometheus_client``'s default registry so they appear in vLLM's own ``/metrics``.
 
-``prometheus_client`` is in every vLLM install; without it the Prometheus side is a no-op. With several
-API-server processes vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before the app is built
-(``vllm/v1/metrics/prometheus.py``) and serves ``/metrics`` from a ``MultiProcessCollector``:
+``prometheus_client`` is in every vLLM install (elsewhere: the ``metrics`` extra); without it the
+Prometheus side is a no-op, which one WARNING per process says. With several API-server processes vLLM
+sets ``PROMETHEUS_MULTIPROC_DIR`` before the app is built (``vllm/v1/metrics/prometheus.py``) and serves
+``/metrics`` from a ``MultiProcessCollector``:
 ``prometheus_client`` then writes these metrics to per-process files too, counters and histograms are
 summed over processes, the in-flight gauge is summed over live processes, and the health gauge takes the
 minimum (an encoder one process has ejected shows as unhealthy).
@@ -20,6 +21,8 @@ import contextlib
 import os
 from collections import Counter
 from typing import Any
+
+from ._logs import logger
 
 __all__ = ["ROLES", "Stats"]
 
@@ -201,6 +204,12 @@ def _metrics() -> _Prometheus | None:
         try:
             import prometheus_client
         except ImportError:
+            # Once per process: an operator who expects epd_* series in /metrics (a plain Starlette app
+            # installed without the extra; vLLM always has it) learns why there are none.
+            logger.warning(
+                "epd: prometheus_client is not installed, so the epd_* metrics are off; "
+                "install it with the metrics extra: pip install 'epd-middleware[metrics]'"
+            )
             return None
         _prometheus = _Prometheus(prometheus_client)
     return _prometheus

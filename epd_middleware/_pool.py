@@ -15,6 +15,7 @@ like members, and are forgotten once idle.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -355,9 +356,13 @@ class ServerPool:
 def no_server_left(pool: ServerPool, noun: str, retry_after: int) -> NoHealthyUpstream:
     """The answer when no server of ``pool`` can take a call: no member serves this server's model
     (which it names), or every member is failing, each with its reason (the servers' addresses in the
-    log's version only)."""
+    log's version only). Its Retry-After is when the first ejected member comes back (rounded up), never
+    less than ``retry_after``: a client told to come back sooner would only be refused again."""
     now = anyio.current_time()
     failing = [(url, problem) for url in pool.members if (problem := pool.record(url).problem(now))]
+    ends = [until for url in pool.members if (until := pool.record(url).ejected_until) > now]
+    if ends:
+        retry_after = max(retry_after, math.ceil(min(ends) - now))
     expectation = pool.models.expectation
 
     def said(with_urls: bool) -> str:

@@ -265,7 +265,10 @@ class EPDConfig(BaseModel):
     retry_after: int = Field(
         default=1,
         ge=0,
-        description="Seconds sent in Retry-After with a 503.",
+        description=(
+            "Seconds sent in Retry-After with a 503; at least: when every server of a pool is ejected, "
+            "the seconds until the first one's cool-down ends."
+        ),
     )
     client_embeddings: Literal["refuse", "trust"] = Field(
         default="refuse",

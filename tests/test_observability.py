@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from epd_middleware import EPDConfig, Host
+from epd_middleware import _metrics as metrics_module
 from epd_middleware._metrics import Stats
 
 from .fakes import FakeEncoders, FakeEngine, build_app, chat_body, image
@@ -169,6 +170,27 @@ def test_stats_without_prometheus_is_a_no_op() -> None:
     stats.in_flight("encoder", E0, 1)
     stats.health("encoder", E0, False)
     assert stats.counters == {"encoded": 1, "encoder_calls_ok": 1}
+
+
+async def test_without_prometheus_client_start_up_warns_once_naming_the_metrics_extra(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: without ``prometheus_client`` (a plain Starlette app installed without the ``metrics``
+    extra) the metrics were a silent no-op: no ``epd_*`` series in ``/metrics`` and no line saying why.
+    Now the first middleware built in the process logs one WARNING naming the extra; later ones say
+    nothing, and requests are served as before."""
+    monkeypatch.setattr(metrics_module, "_loaded", False)
+    monkeypatch.setattr(metrics_module, "_prometheus", None)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import prometheus_client fails
+    caplog.set_level(logging.WARNING, logger="epd_middleware")
+    for n in (1, 2):
+        encoders, engine = FakeEncoders([E0]), FakeEngine()
+        app, _ = build_app(encoders, engine)
+        assert (await post(app, chat_body(image(png(n))))).status_code == 200
+    [warning] = [r for r in caplog.records if "prometheus_client" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert "epd-middleware[metrics]" in warning.getMessage()
+    assert Stats()._prom is None
 
 
 def test_an_error_outcome_carries_its_status_in_a_code_label() -> None:

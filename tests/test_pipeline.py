@@ -389,7 +389,8 @@ async def test_under_the_error_policy_every_encoder_down_is_a_502_naming_one_the
     with pytest.raises(NoHealthyUpstream) as refused:
         await run(pipe, chat_body(image(3)), transport)
     assert refused.value.status == 503
-    assert refused.value.headers() == [(b"retry-after", b"7")]
+    # Retry-After: when the first one comes back (the 60 s cool-down), not retry_after (7 s)
+    assert refused.value.headers() == [(b"retry-after", b"60")]
     assert len(transport.posts()) == 3
 
 

@@ -17,7 +17,7 @@ import pytest
 from epd_middleware import ConnectionLost, UnsendableRequest
 from epd_middleware import _failover as failover
 from epd_middleware._compat import Expectation
-from epd_middleware._pool import _MAX_STRANGERS, OTHER_SERVERS, PoolPolicy, ServerPool
+from epd_middleware._pool import _MAX_STRANGERS, OTHER_SERVERS, PoolPolicy, ServerPool, no_server_left
 from epd_middleware._probes import probe, probe_forever
 from epd_middleware._upstream import MAX_ANSWER_DEPTH, Attempt, DeadlinePassed, answer_of, within_depth
 from epd_middleware.errors import (
@@ -500,6 +500,28 @@ def test_pick_gives_none_when_every_member_is_ejected() -> None:
     pool.record_failure(E1, 0.0, "x")
     assert pool.pick(1.0) is None
     assert pool.pick(5.0) in (E0, E1)
+
+
+async def test_a_503_for_a_pool_that_is_all_ejected_says_when_its_first_server_comes_back() -> None:
+    """Before: the 503 for "every encoder is failing" carried ``Retry-After: retry_after`` (1 s by
+    default) while the encoders stayed ejected for 28 s more, so a client that obeyed it was refused
+    again 28 times. Now Retry-After is the seconds until the soonest member's ejection ends, rounded up,
+    never below ``retry_after``; a server that serves another model has no end to wait for."""
+    pool = pool_of(E0, E1, E2)
+    now = anyio.current_time()
+    pool.record(E0).ejected_until = now + 40.5
+    pool.record(E1).ejected_until = now + 27.2  # the first to come back
+    pool.record(E2).model = "mismatch"
+    assert pool.pick(now) is None
+    assert no_server_left(pool, "encoder", 1).headers() == [(b"retry-after", b"28")]
+    # retry_after stays the floor: a cool-down shorter than it, or none at all, gives retry_after.
+    assert no_server_left(pool, "encoder", 30).headers() == [(b"retry-after", b"30")]
+    pool.record(E1).ejected_until = now + 0.2
+    assert no_server_left(pool, "encoder", 1).headers() == [(b"retry-after", b"1")]
+    pool.record(E0).ejected_until = pool.record(E1).ejected_until = 0.0
+    pool.record(E0).model = pool.record(E1).model = "mismatch"
+    assert no_server_left(pool, "encoder", 3).headers() == [(b"retry-after", b"3")]
+    assert no_server_left(pool_of(), "encoder", 2).headers() == [(b"retry-after", b"2")]
 
 
 # --- which model a server serves -----------------------------------------------------------------------

@@ -10,9 +10,10 @@ ec_config() { printf '{"ec_connector":"ECExampleConnector","ec_role":"%s","ec_co
 
 # The same MODEL string, served name and hasher on E and PD: the hash vLLM derives from a uuid and the
 # per-request options includes the model argument. --trust-request-mm-kwargs on every instance that
-# receives mm_processor_kwargs / media_io_kwargs.
+# receives mm_processor_kwargs / media_io_kwargs. The encoder's flags, and why no --gpu-memory-utilization
+# on a GPU of its own: docs/deployment.md, "The encoder command".
 CUDA_VISIBLE_DEVICES=0 vllm serve "$MODEL" --port 8001 \
-  --gpu-memory-utilization 0.6 --no-enable-prefix-caching --trust-request-mm-kwargs \
+  --mm-encoder-only --no-enable-prefix-caching --trust-request-mm-kwargs \
   --ec-transfer-config "$(ec_config ec_producer)" &
 ENC=$!
 

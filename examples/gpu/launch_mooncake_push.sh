@@ -20,7 +20,7 @@ trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
 encoders=()
 for ((i = 0; i < NUM_ENCODERS; i++)); do
   CUDA_VISIBLE_DEVICES=$((i + 1)) vllm serve "$MODEL" --port $((8001 + i)) \
-    --gpu-memory-utilization 0.6 --no-enable-prefix-caching --trust-request-mm-kwargs \
+    --mm-encoder-only --no-enable-prefix-caching --trust-request-mm-kwargs \
     --ec-transfer-config "$(ec_config ec_producer "$HOST_IP" $((15100 + i)))" &
   pids+=($!)
   encoders+=("http://127.0.0.1:$((8001 + i))")

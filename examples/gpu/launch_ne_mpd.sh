@@ -16,7 +16,7 @@ encoders=()
 for ((i = 0; i < N_ENC; i++)); do
   port=$((8100 + i))
   CUDA_VISIBLE_DEVICES=$i vllm serve "$MODEL" --port "$port" \
-    --gpu-memory-utilization 0.6 --no-enable-prefix-caching --trust-request-mm-kwargs \
+    --mm-encoder-only --no-enable-prefix-caching --trust-request-mm-kwargs \
     --ec-transfer-config "$(ec_config ec_producer)" &
   pids+=($!)
   encoders+=("http://127.0.0.1:$port")
