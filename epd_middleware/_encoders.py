@@ -80,6 +80,8 @@ class EncodeJob(NamedTuple):
     # Why an item the encoder gives no handle for cannot stay raw for the engine (a Mooncake consumer's
     # engine would wait for its push): such an answer is then a bad one. None: it stays raw.
     raw_blocked: str | None = None
+    # vLLM traces: each call gets its span, and passes the trace on (_tracing.py).
+    traced: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,7 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
                 deadline=ends,
                 ledger=job.ledger,
                 canary=job.canary,
+                traced=job.traced,
             )
             return
         except DeadlinePassed:

@@ -28,6 +28,7 @@ from ._rawjson import text_of
 from ._reuse import HandleCache, ReuseKey, request_key, reuse_blocker
 from ._scheduler import Route
 from ._surfaces import ParsedRequest, Surface
+from ._tracing import record, stage_span
 from .config import EPDConfig
 
 __all__ = ["EncodeStage", "Encoded"]
@@ -80,9 +81,20 @@ class EncodeStage:
             to_encode = tuple(item for item in to_encode if item.modality not in placed.local)
         calls = self._plan(to_encode, context, bool(placed.local))
         started = time.perf_counter()
-        outcome = await encode(
-            self.pool, context.transport, self._job(surface, request, context, found, calls)
-        )
+        attributes = {
+            "epd.items": len(found.items),
+            "epd.reused": len(reused.handles),
+            "epd.calls": len(calls),
+        }
+        with stage_span(context.host.traces, "epd.encode", attributes) as span:
+            outcome = await encode(
+                self.pool, context.transport, self._job(surface, request, context, found, calls)
+            )
+            record(
+                span,
+                **{f"epd.placement.{m}": f"{where} ({why})" for m, (where, why) in placed.why.items()},
+                **{"epd.fallback_items": sum(len(call.items) for call, _ in outcome.failed) or None},
+            )
         encoded = time.perf_counter()
         self.stats.stage("encode", encoded - started)
         if reused.keys:
@@ -232,6 +244,7 @@ class EncodeStage:
             ledger=context.ledger,
             canary=_canary_of(request, context),
             raw_blocked=context.host.local_encoding_blocker,
+            traced=context.host.traces,
         )
 
     def _left_to_the_engine(

@@ -10,7 +10,7 @@ import itertools
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -22,6 +22,7 @@ from ._pipeline import Pipeline
 from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
 from ._surfaces import ParsedRequest, Surface
+from ._tracing import inject, record, request_span
 from .errors import BodyTooLarge, EPDError, Unauthorized
 from .host import Host
 from .transport import Transport
@@ -117,6 +118,13 @@ class Exchange:
             raise failure
 
     async def _encode_and_run(self, request: ParsedRequest, caller: _CallerWatch) -> None:
+        # Where vLLM traces, the request's span: its encode stage and calls are children, and the engine
+        # gets its context, so vLLM's own engine span joins the same trace.
+        with request_span(self.host.traces, self.scope["headers"]) as span:
+            record(span, **{"epd.request_id": self.request_id})
+            await self._encode_and_run_traced(request, caller)
+
+    async def _encode_and_run_traced(self, request: ParsedRequest, caller: _CallerWatch) -> None:
         pipeline, headers, request_id = self.pipeline, self.scope["headers"], self.request_id
         context = pipeline.context(
             request,
@@ -143,8 +151,10 @@ class Exchange:
             finally:
                 caller.preparing = False
             scope = dict(self.scope)
+            trace: dict[str, str] = {}
+            inject(self.host.traces, trace)
             scope["headers"] = _engine_headers(
-                headers, len(prepared.body), None if self.given_id else request_id, context.pin_rank
+                headers, len(prepared.body), None if self.given_id else request_id, context.pin_rank, trace
             )
             # The push wait only bounds a request whose embeddings were pushed to this server.
             guard = _EngineFailureGuard(
@@ -333,14 +343,25 @@ def _latin1(value: bytes | None) -> str | None:
 
 
 def _engine_headers(
-    headers: Sequence[tuple[bytes, bytes]], length: int, request_id: str | None, rank: bytes | None
+    headers: Sequence[tuple[bytes, bytes]],
+    length: int,
+    request_id: str | None,
+    rank: bytes | None,
+    trace: Mapping[str, str],
 ) -> list[tuple[bytes, bytes]]:
-    # The scheduler's headers are gone already (EPDMiddleware.__call__).
-    dropped = (b"content-length", b"transfer-encoding", DATA_PARALLEL_RANK_HEADER if rank else b"")
+    # The scheduler's headers are gone already (EPDMiddleware.__call__). A trace context of the
+    # middleware's replaces the client's: the engine's span is a child of the request's.
+    dropped = (
+        b"content-length",
+        b"transfer-encoding",
+        DATA_PARALLEL_RANK_HEADER if rank else b"",
+        *((b"traceparent", b"tracestate") if trace else ()),
+    )
     out = [(name, value) for name, value in headers if name not in dropped]
     out.append((b"content-length", str(length).encode()))
     if request_id is not None:
         out.append((REQUEST_ID_HEADER, request_id.encode()))
     if rank is not None:
         out.append((DATA_PARALLEL_RANK_HEADER, rank))
+    out.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in trace.items())
     return out

@@ -17,9 +17,10 @@ from ._canary import Canary
 from ._logs import logger
 from ._pool import ServerPool
 from ._probes import confirm_failing, proves_healthy
+from ._tracing import call_span, inject, record
 from ._upstream import Attempt, DeadlinePassed, post_once
 from .errors import UpstreamError, UpstreamUnavailable
-from .transport import Transport
+from .transport import Body, Transport
 
 __all__ = ["call"]
 
@@ -37,6 +38,7 @@ async def call(
     deadline: float | None = None,
     ledger: Ledger | None = None,
     canary: Canary | None = None,
+    traced: bool = False,
 ) -> T:
     """POST to ``first``, then to other servers while the call fails in a way another server may not
     (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
@@ -70,20 +72,38 @@ async def call(
         started = time.perf_counter()
         try:
             this = attempt()
-            reply = await post_once(
-                transport,
-                server,
-                path,
-                this.body,
-                headers,
-                role=role,
-                label=label,
-                capacity=pool.record(server).capacity,
-                call_timeout=pool.policy.timeout,
-                deadline=deadline,
-                stats=stats,
-            )
-            result = this.read(server, reply)
+            with call_span(
+                traced, role, server, {"epd.try": len(tried), "epd.bytes": _size(this.body)}
+            ) as span:
+                sent = headers
+                if traced:
+                    sent = dict(headers)
+                    inject(traced, sent)  # the server's own spans join this call's
+                try:
+                    reply = await post_once(
+                        transport,
+                        server,
+                        path,
+                        this.body,
+                        sent,
+                        role=role,
+                        label=label,
+                        capacity=pool.record(server).capacity,
+                        call_timeout=pool.policy.timeout,
+                        deadline=deadline,
+                        stats=stats,
+                    )
+                    result = this.read(server, reply)
+                except UpstreamError as exc:
+                    record(
+                        span,
+                        **{
+                            "epd.outcome": exc.outcome,
+                            "http.response.status_code": getattr(exc, "status_code", None),
+                        },
+                    )
+                    raise
+                record(span, **{"epd.outcome": "ok"})
         except UpstreamError as exc:
             stats.call(role, label, exc.outcome, time.perf_counter() - started)
             blame, failure, retract = ledger.judge(server, exc)
@@ -121,3 +141,7 @@ async def call(
     if len(why) > 1:
         last.tried(why)
     raise last
+
+
+def _size(body: Body) -> int:
+    return len(body) if isinstance(body, bytes) else sum(len(piece) for piece in body)

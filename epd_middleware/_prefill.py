@@ -70,6 +70,7 @@ class PrefillStage:
                 preferred=(route.prefill,) if route.prefill else (),
                 compat=request.compat,
                 ledger=context.ledger,
+                traced=context.host.traces,
             )
         except (UpstreamError, NoHealthyUpstream) as exc:
             rejected = isinstance(exc, UpstreamError) and not exc.retryable  # the request itself is bad
@@ -118,6 +119,7 @@ async def prefill(
     preferred: Sequence[str] = (),
     compat: bool = False,
     ledger: Ledger | None = None,
+    traced: bool = False,
 ) -> dict[str, Any] | None:
     """Prefill ``fields`` on the first usable ``preferred`` server (a scheduler's choice), else the
     next of the pool (failing over); P's ``kv_transfer_params``. ``compat``: the body is written as
@@ -136,6 +138,7 @@ async def prefill(
         headers,
         preferred,
         ledger=ledger,
+        traced=traced,
     )
 
 

@@ -82,6 +82,8 @@ class Host:
     on_encoder_failure: str = "error"
     # vLLM's --enable-request-id-headers: its answers carry X-Request-Id, so the middleware's own do too.
     request_id_headers: bool = False
+    # vLLM exports OpenTelemetry traces (--otlp-traces-endpoint): the middleware's spans join them.
+    traces: bool = False
     # Where media is encoded (the placement option): "local" and "adaptive" leave some to this engine.
     placement: str = "remote"
     # The requests the local engine has unfinished, asked when a placement is decided; None: not known.
@@ -157,6 +159,7 @@ class Host:
             unguarded_routes=_unguarded_routes(args),
             trusts_request_mm_kwargs=bool(getattr(args, "trust_request_mm_kwargs", True)),
             request_id_headers=getattr(args, "enable_request_id_headers", False) is True,
+            traces=_traces(vllm_config),
             model_runner=_model_runner(vllm_config),
             push_wait_s=_push_wait(ec),
             media_decode_budget=_media_decode_budget(),
@@ -511,3 +514,11 @@ def _image_pixel_bounds(vllm_config: object) -> tuple[int, int]:
 
 def _positive(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+
+def _traces(vllm_config: object) -> bool:
+    """Whether vLLM exports traces (``observability_config.otlp_traces_endpoint``, set by
+    ``--otlp-traces-endpoint``: its engine client then installs the process's tracer provider)."""
+    observability = getattr(vllm_config, "observability_config", None)
+    endpoint = getattr(observability, "otlp_traces_endpoint", None)
+    return isinstance(endpoint, str) and bool(endpoint)
