@@ -20,7 +20,7 @@ from ._probes import confirm_failing, proves_healthy
 from ._tracing import call_span, inject, record
 from ._upstream import Attempt, DeadlinePassed, post_once
 from .errors import UpstreamError, UpstreamUnavailable
-from .transport import Body, Transport
+from .transport import Transport
 
 __all__ = ["call"]
 
@@ -72,9 +72,7 @@ async def call(
         started = time.perf_counter()
         try:
             this = attempt()
-            with call_span(
-                traced, role, server, {"epd.try": len(tried), "epd.bytes": _size(this.body)}
-            ) as span:
+            with call_span(traced, role, server, len(tried), this.body) as span:
                 sent = headers
                 if traced:
                     sent = dict(headers)
@@ -141,7 +139,3 @@ async def call(
     if len(why) > 1:
         last.tried(why)
     raise last
-
-
-def _size(body: Body) -> int:
-    return len(body) if isinstance(body, bytes) else sum(len(piece) for piece in body)

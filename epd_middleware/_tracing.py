@@ -18,6 +18,8 @@ import contextlib
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
+from .transport import Body
+
 __all__ = ["available", "call_span", "inject", "request_span", "stage_span"]
 
 _NOTHING: contextlib.nullcontext[Any] = contextlib.nullcontext()
@@ -71,17 +73,18 @@ def stage_span(on: bool, name: str, attributes: Mapping[str, Any]) -> contextlib
 
 
 def call_span(
-    on: bool, role: str, server: str, attributes: Mapping[str, Any]
+    on: bool, role: str, server: str, attempt: int, body: Body
 ) -> contextlib.AbstractContextManager[Any]:
-    """The span of one try of a call to ``server`` (``epd.encoder_call``, ``epd.prefill_call``); its
-    context goes with the call (:func:`inject`)."""
+    """The span of one try (``attempt``, from 1) of a call to ``server`` (``epd.encoder_call``,
+    ``epd.prefill_call``); its context goes with the call (:func:`inject`)."""
     if not on or not available():
         return _NOTHING
     trace = _otel[0]
+    size = len(body) if isinstance(body, bytes) else sum(len(piece) for piece in body)
     span: contextlib.AbstractContextManager[Any] = trace.get_tracer("epd_middleware").start_as_current_span(
         f"epd.{role}_call",
         kind=trace.SpanKind.CLIENT,
-        attributes={"server.address": server, **attributes},
+        attributes={"server.address": server, "epd.try": attempt, "epd.bytes": size},
     )
     return span
 

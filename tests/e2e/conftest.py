@@ -7,6 +7,7 @@ Without it every e2e test is skipped with that reason.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,9 @@ class Deployment:
     audio_single: lab.VLLMServer
     audio_encoder: lab.VLLMServer
     audio_pd: lab.VLLMServer
+    # Where pd and the encoders export their OpenTelemetry spans (tests/e2e/otlp_receiver.py): one JSON
+    # line per span.
+    spans: Path
     report: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -193,6 +197,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     audio_storage.mkdir()
     encoders = [lab.encoder_server(python, model, logs, storage, name=f"encoder-{i}") for i in range(2)]
     urls = [server.url for server in encoders]
+    spans = root / "spans.jsonl"
+    otlp_port = lab.free_port()
+    receiver = subprocess.Popen(
+        [python, str(Path(__file__).parent / "otlp_receiver.py"), str(otlp_port), str(spans)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     audio_encoder = lab.encoder_server(python, audio_model, logs, audio_storage, name="audio-encoder")
     control = lab.pd_server(
         python, model, logs, storage, urls, via="none", name="pd-control", kv=("kv_producer", kv_storage)
@@ -275,6 +286,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         audio_storage=audio_storage,
         audio_single=lab.single_server(python, audio_model, logs, name="audio-single"),
         audio_encoder=audio_encoder,
+        spans=spans,
         audio_pd=lab.pd_server(
             python,
             audio_model,
@@ -301,12 +313,23 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     deployment.pd_multi.args += ["--api-server-count", "2"]
     for encoder in deployment.encoders:  # their GET /load: what placement reads of an encoder's own load
         encoder.args += ["--enable-server-load-tracking"]
+    # pd and the encoders trace, to the receiver: one trace from PD's request through the encoders.
+    for server, service in ((deployment.pd, "pd"), *((e, e.name) for e in deployment.encoders)):
+        server.args += ["--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces"]
+        server.env.update(
+            {
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+                "OTEL_SERVICE_NAME": service,
+            }
+        )
     _start(deployment.all)
     _deployment = deployment
     try:
         yield deployment
     finally:
         lab.stop_all(deployment.all)
+        receiver.kill()
         _deployment = None
 
 
