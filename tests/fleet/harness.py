@@ -57,6 +57,9 @@ class Outcome:
     status: int
     verified: bool
     seconds: float
+    # The header named a real encoder whose DNS membership was changing while the request was made: a PD
+    # may not have learned of it yet (added) or may have forgotten it already (removed), and drops it.
+    named_unsettled: bool = False
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Fleet:
     encoders: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     ready: list[str] = field(default_factory=list)  # what the headless Service answers
     live: list[str] = field(default_factory=list)  # what the "endpoint picker" believes is up
+    # Encoders whose DNS membership is changing: added until every PD process has it as a member,
+    # removed from the moment they leave DNS (requests naming them may still be on their way).
+    unsettled: set[str] = field(default_factory=set)
     pds: list[str] = field(default_factory=list)
     pd_procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     canary_connections: int = 0
@@ -146,6 +152,26 @@ class Fleet:
                     await anyio.sleep(0.1)
         await client.aclose()
 
+    async def members(self) -> list[set[str]]:
+        """The addresses of each PD process's encoder pool members, as it knows them now."""
+        return [
+            {
+                url.removeprefix("http://").rsplit(":", 1)[0]
+                for url, known in status["encoders"].items()
+                if known["member"]
+            }
+            for status in await self.statuses()
+        ]
+
+    async def wait_until(self, agreed: Callable[[list[set[str]]], bool]) -> None:
+        """Until the PD processes' members are ``agreed``: a PD process learns the Service's answer at its
+        next good lookup, however long lookups keep failing before that (bounded: a hang fails the test)."""
+        with anyio.fail_after(60):
+            while True:
+                if agreed(await self.members()):
+                    return
+                await anyio.sleep(0.1)
+
     async def statuses(self) -> list[dict[str, Any]]:
         client = HTTPClient(connect_timeout=1)
         try:
@@ -201,23 +227,26 @@ async def run_load(
 ) -> tuple[list[Outcome], float]:
     """The front: ``requests`` requests, at most ``concurrency`` at once, arriving ``rate`` a second (so
     the fleet's changes fall inside the run however fast the machine), while the fleet changes at fixed
-    points of the run. Returns every outcome and the wall time."""
+    points of the run; the last 5% wait until every PD process has learned the final Service. Returns
+    every outcome and the wall time."""
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     done = 0
     progress = anyio.Event()
     next_request = 0
 
-    def headers_for(number: int) -> tuple[str, dict[str, str]]:
+    def headers_for(number: int) -> tuple[str, str | None, dict[str, str]]:
+        """The request's kind, the real encoder its header names (if any), and its headers."""
         slot = number % 20
         named = rng.choice(made.live)
         if slot == 0:
-            return "forged encoder", {"x-encoder-hosts-ports": f"{CANARY}:{made.port},{named}:{made.port}"}
+            forged = f"{CANARY}:{made.port},{named}:{made.port}"
+            return "forged encoder", named, {"x-encoder-hosts-ports": forged}
         if slot == 1:
-            return "forged prefill", {"x-prefiller-host-port": f"{CANARY}:{made.port}"}
+            return "forged prefill", None, {"x-prefiller-host-port": f"{CANARY}:{made.port}"}
         if slot in (2, 3, 4):
-            return "pool", {}  # the picker skipped the encode stage: the pool (by affinity) decides
-        return "scheduled", {"x-encoder-hosts-ports": f"{named}:{made.port}"}
+            return "pool", None, {}  # the picker skipped the encode stage: the pool (by affinity) decides
+        return "scheduled", named, {"x-encoder-hosts-ports": f"{named}:{made.port}"}
 
     async def worker() -> None:
         nonlocal done, next_request, progress
@@ -225,8 +254,13 @@ async def run_load(
         while next_request < requests:
             number = next_request
             next_request += 1
+            if number >= tail:
+                # The tail of the load waits for every PD process to have learned the final Service:
+                # however slow DNS was, the added encoder then takes its share before the end.
+                await changed.wait()
             await anyio.sleep_until(begun + number / rate)
-            kind, headers = headers_for(number)
+            kind, named, headers = headers_for(number)
+            unsettled = named in made.unsettled
             pd = made.pds[number % len(made.pds)]
             started = time.perf_counter()
             status, body = await client.request(
@@ -236,7 +270,8 @@ async def run_load(
                 {"content-type": "application/json", **headers},
             )
             verified = status == 200 and bool(json.loads(body).get("verified"))
-            outcomes.append(Outcome(kind, status, verified, time.perf_counter() - started))
+            unsettled = unsettled or named in made.unsettled
+            outcomes.append(Outcome(kind, status, verified, time.perf_counter() - started, unsettled))
             done += 1
             progress.set()
             progress = anyio.Event()
@@ -246,17 +281,26 @@ async def run_load(
         while done < fraction * requests:
             await progress.wait()
 
+    async def settled(address: str) -> None:
+        await made.wait_until(lambda members: all(address in known for known in members))
+        made.unsettled.discard(address)
+
     async def changes() -> None:
         await at(0.2)
         await anyio.to_thread.run_sync(made.start_encoder, ADDED)  # a new pod becomes ready
         made.ready.append(ADDED)
+        made.unsettled.add(ADDED)
         made.publish()
+        group.start_soon(settled, ADDED)
+        # The picker learns of the pod on its own (Kubernetes' API, not DNS), by then or not: a PD
+        # process whose lookups time out learns of it later.
         await anyio.sleep(0.4)
         made.live.append(ADDED)
         made.events.append(f"{done}: {ADDED} added")
         await at(0.4)
         leaving = FIRST[0]  # graceful: out of the Service first, stopped after the refresh interval
         made.ready.remove(leaving)
+        made.unsettled.add(leaving)
         made.publish()
         made.live.remove(leaving)
         await anyio.sleep(1.0)
@@ -269,6 +313,7 @@ async def run_load(
         await anyio.sleep(0.5)
         made.live.remove(killed)
         made.ready.remove(killed)
+        made.unsettled.add(killed)
         made.publish()
         await at(0.75)
         made.dns.mode = "drop"  # the DNS server stops answering
@@ -276,10 +321,14 @@ async def run_load(
         await anyio.sleep(1.5)
         made.dns.mode = "ok"
         made.events.append(f"{done}: DNS back")
-        await at(1.0)
+        await made.wait_until(lambda members: all(known == set(made.ready) for known in members))
+        made.unsettled.discard(ADDED)
+        changed.set()
 
     started = time.perf_counter()
     begun = anyio.current_time()
+    changed = anyio.Event()  # the last change is made and every PD process has learned it
+    tail = int(0.95 * requests)
     async with anyio.create_task_group() as group:
         group.start_soon(changes)
         async with anyio.create_task_group() as workers:
