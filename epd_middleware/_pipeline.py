@@ -332,6 +332,7 @@ def placement_policy(config: EPDConfig) -> PlacementPolicy:
     """What placement reads of the configuration."""
     return PlacementPolicy(
         mode=config.placement,
+        pd_idle_load=config.placement_pd_idle_load,
         small_tokens=config.placement_small_tokens,
         pd_max_load=config.placement_pd_max_load,
         encoder_slowdown=config.placement_encoder_slowdown,

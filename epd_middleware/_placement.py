@@ -11,10 +11,12 @@ its items raw) from what only a middleware inside PD sees:
 - the encoders' load: this process's calls in flight to each, their recent latency against their
   fastest, and the load vLLM reports for them (``GET /load`` under ``--enable-server-load-tracking``).
 
-A modality goes local when PD has headroom and either its items are small (few vision tokens: the
-encoder's round trip, queue and transfer cost more than encoding in place) or every encoder it would use
-is saturated. Never where PD cannot encode (a Mooncake consumer waits for a push of every item): there
-every modality goes remote, and the status page says why.
+Every modality goes local while PD is idle: no request is decoding there for a local encode to hold up,
+and the request saves the remote path's fixed cost (the encoder's round trip and the engine step that
+loads the embedding). Otherwise a modality goes local when PD has headroom and either its items are
+small (few vision tokens: the encoder's round trip, queue and transfer cost more than encoding in place)
+or every encoder it would use is saturated. Never where PD cannot encode (a Mooncake consumer waits for
+a push of every item): there every modality goes remote, and the status page says why.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class PlacementPolicy:
     """What the configuration says about placement (``placement`` and its ``placement_*`` thresholds)."""
 
     mode: str = "remote"
+    # PD is idle while its engine has fewer unfinished requests than this: every modality goes local.
+    pd_idle_load: int = 1
     # A modality whose items to encode come to at most this many vision tokens is small.
     small_tokens: int = 0
     # PD has headroom while its engine has fewer unfinished requests than this.
@@ -99,6 +103,8 @@ class Placement:
             why = dict.fromkeys(modalities, ("local", "policy"))
         elif (load := host.unfinished_requests()) is None:
             why = dict.fromkeys(modalities, ("remote", "pd_load_unknown"))
+        elif load < policy.pd_idle_load:
+            why = dict.fromkeys(modalities, ("local", "pd_idle"))
         elif load >= policy.pd_max_load:
             why = dict.fromkeys(modalities, ("remote", "pd_busy"))
         else:
@@ -145,6 +151,7 @@ class Placement:
             "mode": policy.mode,
             "why_not_local": host.local_encoding_blocker,
             "thresholds": {
+                "pd_idle_load": policy.pd_idle_load,
                 "small_tokens": policy.small_tokens,
                 "pd_max_load": policy.pd_max_load,
                 "encoder_slowdown": policy.encoder_slowdown,

@@ -182,8 +182,18 @@ class EPDConfig(BaseModel):
         description=(
             "Where media is encoded: 'remote' on the encoders; 'local' by the local engine (no encoder "
             "is called: for comparison, or to drain encoders); 'adaptive' per request and modality, "
-            "locally when PD has headroom and the items are small or every encoder is saturated. Never "
+            "locally while PD is idle, or has headroom and the items are small or every encoder is "
+            "saturated. Never "
             "locally where PD cannot encode (a Mooncake consumer)."
+        ),
+    )
+    placement_pd_idle_load: int = Field(
+        default=1,
+        ge=0,
+        description=(
+            "adaptive: PD is idle while its engine has fewer unfinished requests than this, and then "
+            "encodes every item itself: no decode waits for it, and the request saves the encoder's "
+            "round trip and the step that loads its embedding (0: never for idleness alone)."
         ),
     )
     placement_small_tokens: int = Field(
@@ -730,6 +740,7 @@ class EPDOptions(TypedDict, total=False):
     max_attempts: int
     on_encoder_failure: Literal["error", "local"]
     placement: Literal["remote", "local", "adaptive"]
+    placement_pd_idle_load: int
     placement_small_tokens: int
     placement_pd_max_load: int
     placement_encoder_slowdown: float

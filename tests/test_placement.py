@@ -87,6 +87,7 @@ def placement(mode: str, **thresholds: Any) -> tuple[Placement, ServerPool]:
     pool = ServerPool("encoder", PoolPolicy(5.0))
     pool.set_members([E0, E1])
     thresholds.setdefault("small_tokens", 300)
+    thresholds.setdefault("pd_idle_load", 0)  # the other rules, below; idleness has its own test
     return Placement(PlacementPolicy(mode=mode, **thresholds), pool, pool.stats), pool
 
 
@@ -164,6 +165,20 @@ def test_adaptive_encodes_here_when_every_encoder_it_would_use_is_saturated(sign
     assert decide.decide([IMAGE], big, idle_host(9), [E0, E1]).why["image"] == ("remote", "pd_busy")
 
 
+def test_an_idle_pd_encodes_everything_here_whatever_its_size() -> None:
+    """No request is decoding for a local encode to hold up; the request saves the remote path's fixed
+    cost (the encoder's round trip, the step that loads its embedding)."""
+    decide, pool = placement("adaptive", pd_idle_load=1, small_tokens=0)
+    sizes = {("image", "i"): 5000, ("audio", "a"): None}
+    decision = decide.decide([IMAGE, AUDIO], sizes, idle_host(0), [E0])
+    assert decision.why == {"image": ("local", "pd_idle"), "audio": ("local", "pd_idle")}
+    assert decide.decide([IMAGE], sizes, idle_host(1), [E0]).why["image"] == ("remote", "large")
+    assert decide.decide([IMAGE], sizes, Host(), [E0]).why["image"] == ("remote", "pd_load_unknown")
+    never, _ = placement("adaptive", pd_idle_load=0, small_tokens=0)
+    assert never.decide([IMAGE], sizes, idle_host(0), [E0]).why["image"] == ("remote", "large")
+    assert pool.stats.counters["placement_local_pd_idle"] == 2
+
+
 def test_adaptive_decides_per_modality() -> None:
     decide, _ = placement("adaptive", small_tokens=300)
     decision = decide.decide([IMAGE, AUDIO], {("image", "i"): 256, ("audio", "a"): None}, idle_host(), [E0])
@@ -174,7 +189,8 @@ def test_adaptive_decides_per_modality() -> None:
 # --- through the middleware -----------------------------------------------------------------------------
 
 
-def app_with(encoders: FakeEncoders, engine: FakeEngine, load: int = 0, **options: Any) -> Any:
+def app_with(encoders: FakeEncoders, engine: FakeEngine, load: int = 1, **options: Any) -> Any:
+    """The middleware over ``engine``, whose engine has ``load`` unfinished requests (1: not idle)."""
     app = engine.app()
     app.add_middleware(
         EPDMiddleware,
@@ -219,7 +235,7 @@ async def test_adaptive_through_the_middleware_counts_logs_and_shows_its_decisio
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware)) as client:
         page = (await client.get("http://pd/epd/status")).json()["placement"]
     assert page["mode"] == "adaptive"
-    assert page["pd_load"] == 0
+    assert page["pd_load"] == 1
     assert page["decisions"] == {"local_small": 1, "remote_large": 1}
     assert page["thresholds"]["small_tokens"] == 300
     assert prometheus_client.REGISTRY.get_sample_value(
@@ -235,6 +251,18 @@ async def test_a_mixed_request_encodes_one_modality_here_and_another_remotely() 
     assert image_part["type"] == "image_url"
     assert audio_part["type"] == "audio_embeds"
     assert [len(call.body["messages"][0]["content"]) for call in encoders.calls] == [1]
+
+
+async def test_by_default_an_idle_pd_encodes_here_and_a_busy_one_on_the_encoders() -> None:
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    idle = app_with(encoders, engine, load=0, placement="adaptive")
+    assert (await post(idle, chat_body(picture(1024, 1024)))).status_code == 200
+    assert encoders.calls == []
+    busy = app_with(encoders, engine, load=1, placement="adaptive")
+    assert (await post(busy, chat_body(picture(1024, 1024)))).status_code == 200
+    assert len(encoders.calls) == 1
+    here, there = (media_parts(record.json)[0]["type"] for record in engine.received)
+    assert (here, there) == ("image_url", "image_embeds")
 
 
 async def test_with_no_encoder_free_but_a_busy_pd_adaptive_stays_remote() -> None:

@@ -276,6 +276,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             name="pd-adaptive",
             extra_env={
                 "EPD_PLACEMENT": "adaptive",
+                # The tests send one request at a time: an idle PD would keep everything here.
+                "EPD_PLACEMENT_PD_IDLE_LOAD": "0",
                 "EPD_PLACEMENT_SMALL_TOKENS": str(PLACEMENT_SMALL_TOKENS),
                 "EPD_PLACEMENT_ENCODER_BUSY_CALLS": "1",
                 "EPD_HEALTH_CHECK_INTERVAL": "1",

@@ -4,7 +4,8 @@ with every encoder held busy, work is placed here and still answers exactly; one
 placed here and another on an encoder is exact. (On a Mooncake PD adaptive never places here:
 tests/e2e/test_mooncake_e2e.py.)
 
-pd_adaptive: ``placement_small_tokens`` 300 (the seed image is 234 vision tokens on the tiny model),
+pd_adaptive: ``placement_pd_idle_load`` 0 (the tests send one request at a time, and an idle PD would
+keep everything here), ``placement_small_tokens`` 300 (the seed image is 234 vision tokens on the tiny model),
 ``placement_encoder_busy_calls`` 1 and a probe each second, so one request an encoder is busy with, seen
 in its ``GET /load`` (``--enable-server-load-tracking``), saturates it.
 """
