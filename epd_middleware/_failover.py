@@ -129,7 +129,7 @@ async def call(
             continue
         took = time.perf_counter() - started
         stats.call(role, label, "ok", took)
-        pool.record_latency(server, took)
+        pool.record_latency(server, took, len(this.body))
         pool.record_success(server)
         return result
     assert last is not None

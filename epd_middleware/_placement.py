@@ -8,8 +8,9 @@ its items raw) from what only a middleware inside PD sees:
 - the request's size: each image's vision tokens, from the size its own header gives (inline images)
   and the served model's patch grid (Qwen2-VL: one token per 28 x 28 pixels, within its pixel bounds);
 - PD's own load: the requests its engine has unfinished (vLLM's ``engine_client``, read in-process);
-- the encoders' load: this process's calls in flight to each, their recent latency against their
-  fastest, and the load vLLM reports for them (``GET /load`` under ``--enable-server-load-tracking``).
+- the encoders' load: this process's calls in flight to each, their recent latency against the
+  fastest call of their size, and the load vLLM reports for them (``GET /load`` under
+  ``--enable-server-load-tracking``).
 
 Every modality goes local while PD is idle: no request is decoding there for a local encode to hold up,
 and the request saves the remote path's fixed cost (the encoder's round trip and the engine step that
@@ -51,7 +52,7 @@ class PlacementPolicy:
     small_tokens: int = 0
     # PD has headroom while its engine has fewer unfinished requests than this.
     pd_max_load: int = 4
-    # An encoder is saturated when its recent call latency is this many times its fastest ...
+    # An encoder is saturated when its recent calls took this many times the fastest of their size ...
     encoder_slowdown: float = 3.0
     # ... or this process has this many calls in flight to it, or vLLM reports this load for it.
     encoder_busy_calls: int = 16
@@ -133,9 +134,7 @@ class Placement:
             health = pool.known(url)
             if health is None:
                 return False
-            slow = (
-                health.latency_floor > 0 and health.latency >= policy.encoder_slowdown * health.latency_floor
-            )
+            slow = health.slowdown >= policy.encoder_slowdown
             load = health.server_load
             busy = health.capacity.in_flight >= policy.encoder_busy_calls or (
                 load is not None and load >= policy.encoder_busy_calls
@@ -162,7 +161,7 @@ class Placement:
                 url: {
                     "in_flight": health.capacity.in_flight,
                     "latency_ms": round(health.latency * 1000, 2),
-                    "fastest_ms": round(health.latency_floor * 1000, 2),
+                    "slowdown": round(health.slowdown, 2),
                     "server_load": health.server_load,
                 }
                 for url in pool.available(now)

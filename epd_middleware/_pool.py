@@ -92,10 +92,13 @@ class Health:
     # Failed calls by who was at fault (_blame.BLAMES), and ejections the confirmation averted.
     blamed: Counter[str] = field(default_factory=Counter)
     kept: int = 0
-    # Its successful calls' recent latency (a moving average) and the fastest it has been, in seconds:
-    # how much waiting it adds now (_placement.py).
+    # Its successful calls' recent latency (a moving average, in seconds), and how much slower than the
+    # fastest call of their size they have been lately (a moving average of the ratio): the waiting it
+    # adds now (_placement.py). Calls compare within a size class (their body's bytes, by powers of
+    # two), so a large call is never taken for a slow small one.
     latency: float = 0.0
-    latency_floor: float = 0.0
+    slowdown: float = 0.0
+    fastest: dict[int, float] = field(default_factory=dict)
     # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
     server_load: int | None = None
     # False once it answered that it tracks no load: not asked again.
@@ -248,11 +251,16 @@ class ServerPool:
 
     # Health ------------------------------------------------------------------------------------------
 
-    def record_latency(self, url: str, seconds: float) -> None:
-        """A successful call's duration: the moving average (the last calls weigh most) and the floor."""
+    def record_latency(self, url: str, seconds: float, size: int = 0) -> None:
+        """A successful call's duration and its body's ``size`` in bytes: the moving averages (the last
+        calls weigh most) of its latency and of its slowdown over the fastest call of its size class."""
         health = self.record(url)
         health.latency = seconds if not health.latency else 0.8 * health.latency + 0.2 * seconds
-        health.latency_floor = min(health.latency_floor or seconds, seconds)
+        size_class = size.bit_length()
+        fastest = min(health.fastest.get(size_class, seconds), seconds)
+        health.fastest[size_class] = fastest
+        ratio = seconds / fastest if fastest > 0 else 1.0
+        health.slowdown = ratio if not health.slowdown else 0.8 * health.slowdown + 0.2 * ratio
 
     def record_success(self, url: str) -> None:
         health = self.record(url)

@@ -215,7 +215,8 @@ class EPDConfig(BaseModel):
         default=3.0,
         gt=1,
         description=(
-            "adaptive: an encoder is saturated when its recent call latency is this many times its fastest."
+            "adaptive: an encoder is saturated when its recent calls took this many times the fastest "
+            "call of their size (their body's bytes, within a factor of two)."
         ),
     )
     placement_encoder_busy_calls: int = Field(

@@ -179,6 +179,24 @@ def test_an_idle_pd_encodes_everything_here_whatever_its_size() -> None:
     assert pool.stats.counters["placement_local_pd_idle"] == 2
 
 
+def test_a_large_call_is_never_taken_for_a_slow_small_one() -> None:
+    """Latency compares within a size class (the body's bytes by powers of two): an idle encoder serving
+    small and large images in turn is not saturated, one whose calls of each size take 4x their fastest
+    is."""
+    decide, pool = placement("adaptive", small_tokens=0, encoder_slowdown=3.0)
+    big = {("image", "i"): 5000}
+    for size, seconds in ((30_000, 0.040), (400_000, 0.142)):  # a 448x448 image, then four larger ones:
+        for _ in range(20):  # 3.5x the small call, and as fast as ever
+            pool.record_latency(E0, seconds, size)
+    assert not decide.saturated([E0])
+    assert decide.decide([IMAGE], big, idle_host(1), [E0]).why["image"] == ("remote", "large")
+    for _ in range(20):
+        pool.record_latency(E0, 0.160, 30_000)
+        pool.record_latency(E0, 0.570, 400_000)
+    assert decide.saturated([E0])
+    assert decide.decide([IMAGE], big, idle_host(1), [E0]).why["image"] == ("local", "encoders_saturated")
+
+
 def test_adaptive_decides_per_modality() -> None:
     decide, _ = placement("adaptive", small_tokens=300)
     decision = decide.decide([IMAGE, AUDIO], {("image", "i"): 256, ("audio", "a"): None}, idle_host(), [E0])
