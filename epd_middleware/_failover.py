@@ -14,6 +14,7 @@ import anyio
 
 from ._blame import Ledger
 from ._canary import Canary
+from ._http import body_size
 from ._logs import logger
 from ._pool import ServerPool
 from ._probes import confirm_failing, proves_healthy
@@ -129,7 +130,7 @@ async def call(
             continue
         took = time.perf_counter() - started
         stats.call(role, label, "ok", took)
-        pool.record_latency(server, took, len(this.body))
+        pool.record_latency(server, took, body_size(this.body))
         pool.record_success(server)
         return result
     assert last is not None

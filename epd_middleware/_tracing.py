@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
+from ._http import body_size
 from .transport import Body
 
 __all__ = ["available", "call_span", "inject", "request_span", "stage_span"]
@@ -80,7 +81,7 @@ def call_span(
     if not on or not available():
         return _NOTHING
     trace = _otel[0]
-    size = len(body) if isinstance(body, bytes) else sum(len(piece) for piece in body)
+    size = body_size(body)
     span: contextlib.AbstractContextManager[Any] = trace.get_tracer("epd_middleware").start_as_current_span(
         f"epd.{role}_call",
         kind=trace.SpanKind.CLIENT,

@@ -17,6 +17,7 @@ import pytest
 from epd_middleware import ConnectionLost, UnsendableRequest
 from epd_middleware import _failover as failover
 from epd_middleware._compat import Expectation
+from epd_middleware._http import body_size
 from epd_middleware._pool import _MAX_STRANGERS, OTHER_SERVERS, PoolPolicy, ServerPool, no_server_left
 from epd_middleware._probes import probe, probe_forever
 from epd_middleware._upstream import MAX_ANSWER_DEPTH, Attempt, DeadlinePassed, answer_of, within_depth
@@ -797,3 +798,18 @@ async def test_a_transport_bug_during_a_probe_counts_a_failure_and_probing_goes_
     assert failures(pool, E0) >= 1
     assert not pool.usable(E0, anyio.current_time())
     assert failures(pool, E1) == 0
+
+
+async def test_a_calls_latency_is_classed_by_the_bytes_it_sent_whole_or_in_pieces() -> None:
+    """Placement compares a call with the fastest of its size (:mod:`epd_middleware._placement`): the size
+    is the bytes sent, also for a body sent in pieces (large media strings are), not the pieces' count."""
+    pool = pool_of(E0)
+    transport = FakeTransport({E0: own_answer})
+    whole = json.dumps(BODY).encode()
+    pieces = [whole[:10], memoryview(whole[10:])]
+    for body in (whole, pieces):
+        await failover.call(pool, transport, E0, CHAT, lambda body=body: Attempt(body, read), {}, ())
+    health = pool.known(E0)
+    assert health is not None
+    assert list(health.fastest) == [len(whole).bit_length()]
+    assert body_size(pieces) == body_size(whole) == len(whole)

@@ -14,7 +14,7 @@ quiet (the server sent nothing and did not close while it sat idle). A cancelled
 closes its connection.
 """
 
-from ._client import Body, HTTPClient
+from ._client import Body, HTTPClient, body_size
 from ._errors import ConnectFailed, ConnectionLost, HTTPError, ProtocolViolation, UnsendableRequest
 from ._headers import header_lines
 
@@ -26,5 +26,6 @@ __all__ = [
     "HTTPError",
     "ProtocolViolation",
     "UnsendableRequest",
+    "body_size",
     "header_lines",
 ]

@@ -16,11 +16,17 @@ from ._framing import read_answer
 from ._headers import header_lines
 from ._socket import Connection, connect
 
-__all__ = ["Body", "HTTPClient"]
+__all__ = ["Body", "HTTPClient", "body_size"]
 
 # A request body, whole or in pieces sent one after the other (large media strings are sent from where
 # they arrived, not copied into one buffer).
 Body = bytes | Sequence[bytes | memoryview]
+
+
+def body_size(body: Body) -> int:
+    """The bytes ``body`` sends, whole or in pieces."""
+    return len(body) if isinstance(body, bytes) else sum(memoryview(piece).nbytes for piece in body)
+
 
 _JOIN_LIMIT = 64 * 1024
 # uvicorn closes idle keep-alive connections after 5 s; retire ours before that to avoid the race
