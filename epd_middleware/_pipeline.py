@@ -144,12 +144,14 @@ class Pipeline:
         with_prefill = bool(self.config.prefill or route.prefill)
         # Where the middleware runs remote prefill, where a decoder takes its KV cache from is its call.
         owns_kv = bool(self.config.prefill) or self.scheduler is not None
+        # Cheapest and likeliest to settle it first: a body with media is parsed anyway, and a search for
+        # a field name reads the whole body (0.23 ms for 1.2 MB of images here).
         if (
             not with_prefill
-            and not (owns_kv and b"kv_transfer_params" in body)
-            and b"ec_transfer_params" not in body
             and _scannable(body)
             and not surface.may_hold_media(body)
+            and not (owns_kv and b"kv_transfer_params" in body)
+            and b"ec_transfer_params" not in body
         ):
             return None
         started = time.perf_counter()
