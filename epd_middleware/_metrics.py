@@ -93,8 +93,8 @@ class _Prometheus:
         self.placements = prom.Counter(
             "epd_placement",
             "Placement decisions, one per modality of a request with media to encode: where (local: the "
-            "local engine encodes it; remote: an encoder) and why (policy, small, encoders_saturated, "
-            "pd_busy, pd_load_unknown, pd_cannot_encode, large, size_unknown).",
+            "local engine encodes it; remote: an encoder) and why (policy, pd_idle, small, "
+            "encoders_saturated, pd_busy, pd_load_unknown, pd_cannot_encode, large, size_unknown).",
             ["where", "why"],
         )
         self.pool_members = prom.Gauge(

@@ -946,7 +946,8 @@ def test_the_dashboard_charts_exported_metrics_only() -> None:
             assert 'namespace=~"$namespace"' in target["expr"], panel["title"]
             used |= check_promql(target["expr"], exported).metrics
     # What an operator looks for: request rate and latency, the encoder and prefill calls, the encoders'
-    # health, model and load, handle reuse, forged scheduler targets, DNS, local fallbacks.
+    # health, model and load, handle reuse, forged scheduler targets, DNS, local fallbacks, placement, and
+    # failed calls by blame.
     assert used >= {
         "epd_requests_total",
         "epd_stage_duration_seconds_bucket",
@@ -959,6 +960,8 @@ def test_the_dashboard_charts_exported_metrics_only() -> None:
         "epd_scheduler_forged_targets_total",
         "epd_dns_lookups_total",
         "epd_fallback_items_total",
+        "epd_placement_total",
+        "epd_encoder_failures_total",
     }
 
 
