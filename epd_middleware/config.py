@@ -208,7 +208,9 @@ class EPDConfig(BaseModel):
         default=4,
         ge=0,
         description=(
-            "adaptive: PD has headroom while its engine has fewer unfinished requests than this (0: never)."
+            "adaptive: PD has headroom while its engine has fewer unfinished requests than this (0: "
+            "never), and the prompt tokens it has yet to prefill fit in one engine step (vLLM's "
+            "max_num_batched_tokens)."
         ),
     )
     placement_encoder_slowdown: float = Field(
