@@ -183,8 +183,7 @@ class EPDConfig(BaseModel):
             "Where media is encoded: 'remote' on the encoders; 'local' by the local engine (no encoder "
             "is called: for comparison, or to drain encoders); 'adaptive' per request and modality, "
             "locally while PD is idle, or has headroom and the items are small or every encoder is "
-            "saturated. Never "
-            "locally where PD cannot encode (a Mooncake consumer)."
+            "saturated. Never locally where PD cannot encode (a Mooncake consumer)."
         ),
     )
     placement_pd_idle_load: int = Field(
