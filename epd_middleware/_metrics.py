@@ -94,7 +94,8 @@ class _Prometheus:
             "epd_placement",
             "Placement decisions, one per modality of a request with media to encode: where (local: the "
             "local engine encodes it; remote: an encoder) and why (policy, pd_idle, small, "
-            "encoders_saturated, pd_busy, pd_load_unknown, pd_cannot_encode, large, size_unknown).",
+            "encoders_saturated, pd_busy, pd_prefilling, pd_load_unknown, pd_cannot_encode, large, "
+            "size_unknown).",
             ["where", "why"],
         )
         self.pool_members = prom.Gauge(

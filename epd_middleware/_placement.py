@@ -7,10 +7,15 @@ its items raw) from what only a middleware inside PD sees:
 
 - the request's size: each image's vision tokens, from the size its own header gives (inline images)
   and the served model's patch grid (Qwen2-VL: one token per 28 x 28 pixels, within its pixel bounds);
-- PD's own load: the requests its engine has unfinished (vLLM's ``engine_client``, read in-process);
+- PD's own load: the requests its engine has unfinished and the prompt tokens it has yet to prefill
+  (vLLM's ``engine_client``, read in-process);
 - the encoders' load: this process's calls in flight to each, their recent latency against the
   fastest call of their size, and the load vLLM reports for them (``GET /load`` under
   ``--enable-server-load-tracking``).
+
+PD has headroom while its engine holds fewer requests than ``placement_pd_max_load`` and the prompts
+it has yet to prefill fit in one engine step (vLLM's ``max_num_batched_tokens``; its engine client's
+``get_num_queued_tokens``): a request placed here then waits at most a step for the GPU.
 
 Every modality goes local while PD is idle: no request is decoding there for a local encode to hold up,
 and the request saves the remote path's fixed cost (the encoder's round trip and the engine step that
@@ -108,6 +113,8 @@ class Placement:
             why = dict.fromkeys(modalities, ("local", "pd_idle"))
         elif load >= policy.pd_max_load:
             why = dict.fromkeys(modalities, ("remote", "pd_busy"))
+        elif _prefill_backlog(host):
+            why = dict.fromkeys(modalities, ("remote", "pd_prefilling"))
         else:
             saturated = self.saturated(encoders)
             for modality in modalities:
@@ -157,6 +164,8 @@ class Placement:
                 "encoder_busy_calls": policy.encoder_busy_calls,
             },
             "pd_load": host.unfinished_requests(),
+            "pd_queued_tokens": host.queued_tokens(),
+            "pd_step_tokens": host.step_tokens,
             "encoders": {
                 url: {
                     "in_flight": health.capacity.in_flight,
@@ -174,6 +183,14 @@ class Placement:
                 if key.startswith("placement_")
             },
         }
+
+
+def _prefill_backlog(host: Host) -> bool:
+    """Whether the prompts PD has yet to prefill fill more than one engine step: work placed here would
+    wait behind them, and its encode would hold up every one of them (unknown: no backlog, the request
+    count decides alone)."""
+    queued, step = host.queued_tokens(), host.step_tokens
+    return queued is not None and step is not None and queued > step
 
 
 def _total(values: Any) -> int | None:

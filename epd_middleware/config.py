@@ -183,8 +183,7 @@ class EPDConfig(BaseModel):
             "Where media is encoded: 'remote' on the encoders; 'local' by the local engine (no encoder "
             "is called: for comparison, or to drain encoders); 'adaptive' per request and modality, "
             "locally while PD is idle, or has headroom and the items are small or every encoder is "
-            "saturated. Never "
-            "locally where PD cannot encode (a Mooncake consumer)."
+            "saturated. Never locally where PD cannot encode (a Mooncake consumer)."
         ),
     )
     placement_pd_idle_load: int = Field(
@@ -208,7 +207,9 @@ class EPDConfig(BaseModel):
         default=4,
         ge=0,
         description=(
-            "adaptive: PD has headroom while its engine has fewer unfinished requests than this (0: never)."
+            "adaptive: PD has headroom while its engine has fewer unfinished requests than this (0: "
+            "never), and the prompt tokens it has yet to prefill fit in one engine step (vLLM's "
+            "max_num_batched_tokens)."
         ),
     )
     placement_encoder_slowdown: float = Field(

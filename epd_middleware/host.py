@@ -88,6 +88,10 @@ class Host:
     placement: str = "remote"
     # The requests the local engine has unfinished, asked when a placement is decided; None: not known.
     engine_load: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    # The prompt tokens of the local engine's requests still in prefill, and the tokens one engine step
+    # prefills (vLLM's max_num_batched_tokens): how long a request placed here waits for the GPU.
+    engine_queued_tokens: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    step_tokens: int | None = None
     # Pixels per side of one vision token of the served model (patch size x spatial merge), and the image
     # processor's pixel bounds, for estimating a request's vision tokens from its images' sizes.
     vision_token_side: int = 28
@@ -125,7 +129,8 @@ class Host:
         if vllm_config is None:
             return None
         host = cls.of_vllm(vllm_config, args if args is not None else getattr(state, "args", None), config)
-        host.engine_load = _engine_load(state)
+        host.engine_load = _engine_client_counter(state, "get_num_unfinished_requests")
+        host.engine_queued_tokens = _engine_client_counter(state, "get_num_queued_tokens")
         return host
 
     @classmethod
@@ -166,6 +171,7 @@ class Host:
             on_encoder_failure=config.on_encoder_failure if config else "error",
             placement=config.placement if config else "remote",
             vision_token_side=_vision_token_side(vllm_config),
+            step_tokens=_step_tokens(vllm_config),
             image_pixel_bounds=_image_pixel_bounds(vllm_config),
         )
         if config is not None:
@@ -237,13 +243,11 @@ class Host:
 
     def unfinished_requests(self) -> int | None:
         """The requests the local engine has unfinished now (its load), or None where not known."""
-        if self.engine_load is None:
-            return None
-        try:
-            load = self.engine_load()
-        except Exception:  # an engine client in a state vLLM itself would not answer from
-            return None
-        return load if isinstance(load, int) else None
+        return _count(self.engine_load)
+
+    def queued_tokens(self) -> int | None:
+        """The prompt tokens of the local engine's requests still in prefill, or None where not known."""
+        return _count(self.engine_queued_tokens)
 
     @property
     def kv_consumer(self) -> bool:
@@ -463,12 +467,29 @@ def _media_policy(vllm_config: object) -> MediaPolicy:
     return MediaPolicy(tuple(str(domain) for domain in domains), root)
 
 
-def _engine_load(state: object) -> Callable[[], int] | None:
-    """How many requests the engine has unfinished: vLLM's engine client on the app's state
-    (``AsyncLLM.get_num_unfinished_requests``, ``v1/engine/async_llm.py``), this API server's own."""
+def _engine_client_counter(state: object, name: str) -> Callable[[], int] | None:
+    """A count vLLM's engine client on the app's state keeps, this API server's own (``AsyncLLM``,
+    ``v1/engine/async_llm.py``): ``get_num_unfinished_requests``, the requests the engine holds;
+    ``get_num_queued_tokens``, the prompt tokens of those still in prefill (vLLM 0.32 on)."""
     client = getattr(state, "engine_client", None)
-    load = getattr(client, "get_num_unfinished_requests", None)
-    return load if callable(load) else None
+    count = getattr(client, name, None)
+    return count if callable(count) else None
+
+
+def _count(read: Callable[[], int] | None) -> int | None:
+    if read is None:
+        return None
+    try:
+        value = read()
+    except Exception:  # an engine client in a state vLLM itself would not answer from
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _step_tokens(vllm_config: object) -> int | None:
+    """The tokens one engine step schedules (``scheduler_config.max_num_batched_tokens``), or None."""
+    value = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _vision_token_side(vllm_config: object) -> int:

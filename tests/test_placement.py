@@ -98,6 +98,30 @@ def idle_host(load: int = 0) -> Host:
     return Host(engine_load=lambda: load)
 
 
+def test_the_host_reads_the_engines_load_backlog_and_step_from_vllms_state() -> None:
+    """vLLM's engine client (``AsyncLLM.get_num_unfinished_requests``, ``get_num_queued_tokens``) and
+    ``scheduler_config.max_num_batched_tokens``; a count the client cannot give is not known."""
+    from types import SimpleNamespace
+
+    client = SimpleNamespace(get_num_unfinished_requests=lambda: 3, get_num_queued_tokens=lambda: 5000)
+    state = SimpleNamespace(
+        vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=8192)),
+        engine_client=client,
+    )
+    host = Host.from_state(state)
+    assert host is not None
+    assert (host.unfinished_requests(), host.queued_tokens(), host.step_tokens) == (3, 5000, 8192)
+
+    def broken() -> int:
+        raise RuntimeError("engine dead")
+
+    older = SimpleNamespace(vllm_config=SimpleNamespace(), engine_client=SimpleNamespace())
+    host = Host.from_state(older)
+    assert host is not None
+    assert (host.unfinished_requests(), host.queued_tokens(), host.step_tokens) == (None, None, None)
+    assert Host(engine_queued_tokens=broken).queued_tokens() is None
+
+
 def test_remote_and_local_are_fixed_whatever_the_signals() -> None:
     remote, _ = placement("remote")
     assert remote.decide([IMAGE], {("image", "i"): 4}, idle_host(), [E0]).local == frozenset()
@@ -195,6 +219,29 @@ def test_a_large_call_is_never_taken_for_a_slow_small_one() -> None:
         pool.record_latency(E0, 0.570, 400_000)
     assert decide.saturated([E0])
     assert decide.decide([IMAGE], big, idle_host(1), [E0]).why["image"] == ("local", "encoders_saturated")
+
+
+def test_a_pd_with_more_prompt_to_prefill_than_one_step_has_no_headroom() -> None:
+    """Work placed here would wait behind the prompts PD has yet to prefill, and its encode would hold
+    them all up: with more than one engine step of them queued, even saturated encoders are the better
+    wait. Where vLLM does not tell the backlog, the request count decides alone."""
+    decide, pool = placement("adaptive", small_tokens=300, encoder_busy_calls=1)
+    small = {("image", "i"): 256}
+
+    def pd(queued: int | None) -> Host:
+        return Host(
+            engine_load=lambda: 2,
+            engine_queued_tokens=None if queued is None else (lambda: queued),
+            step_tokens=8192,
+        )
+
+    assert decide.decide([IMAGE], small, pd(6858), [E0]).why["image"] == ("local", "small")
+    assert decide.decide([IMAGE], small, pd(10287), [E0]).why["image"] == ("remote", "pd_prefilling")
+    assert decide.decide([IMAGE], small, pd(None), [E0]).why["image"] == ("local", "small")
+    pool.record(E0).capacity.in_flight = 1
+    big = {("image", "i"): 5000}
+    assert decide.decide([IMAGE], big, pd(6858), [E0]).why["image"] == ("local", "encoders_saturated")
+    assert decide.decide([IMAGE], big, pd(10287), [E0]).why["image"] == ("remote", "pd_prefilling")
 
 
 def test_adaptive_decides_per_modality() -> None:

@@ -1,6 +1,7 @@
 """A small OTLP/HTTP trace receiver for the e2e tests: run with the vLLM python (it has OpenTelemetry's
 protobuf classes), it takes ``POST /v1/traces`` (``application/x-protobuf``) and writes one JSON line per
-span to a file: trace and span ids (hex), the parent's, the name, and the service.
+span to a file: trace and span ids (hex), the parent's, the name, the service, the span's attributes and
+whether its status is an error.
 
     python tests/e2e/otlp_receiver.py PORT OUT_FILE
 """
@@ -10,11 +11,19 @@ from __future__ import annotations
 import json
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+
+def _value(value: Any) -> Any:
+    """An attribute's value as JSON: its string, int, float or bool, whichever it holds."""
+    kind = value.WhichOneof("value")
+    scalar = kind in ("string_value", "int_value", "double_value", "bool_value")
+    return getattr(value, kind) if scalar else None
 
 
 def main() -> None:
@@ -36,6 +45,8 @@ def main() -> None:
                                 "parent_span_id": span.parent_span_id.hex(),
                                 "name": span.name,
                                 "service": attributes.get("service.name", ""),
+                                "attributes": {a.key: _value(a.value) for a in span.attributes},
+                                "error": span.status.code == span.status.STATUS_CODE_ERROR,
                             }
                             sink.write(json.dumps(line) + "\n")
             answer = ExportTraceServiceResponse().SerializeToString()

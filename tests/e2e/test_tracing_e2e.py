@@ -57,3 +57,46 @@ def test_one_trace_holds_the_middlewares_spans_pds_engine_span_and_the_encoders(
     assert [span["parent_span_id"] for span in pd_engine] == [request["span_id"]]
     assert [span["parent_span_id"] for span in encoder_engine] == [call["span_id"]]
     assert by_id[call["parent_span_id"]]["name"] == "epd.encode"
+
+
+FAILED_TRACE = "0af7651916cd43dd8448eb211c80319c"
+FAILED_TRACEPARENT = f"00-{FAILED_TRACE}-b7ad6b7169203331-01"
+NOT_BASE64 = "data:image/png,not-base64-at-all"
+
+
+def test_a_failed_request_is_followed_from_its_answer_to_its_log_lines_and_spans(
+    deployment: Deployment,
+) -> None:
+    """A request vLLM refuses on the encoder (a data URL that is not base64: its 501) gets vLLM's own
+    answer, and its id (the client's X-Request-Id) and trace (its traceparent) lead to the PD log's line
+    about it and to its spans: the request, the encode stage and the failed call, with the server's
+    status."""
+    body = seed_request(MODEL, images=[NOT_BASE64])
+    baseline = chat(deployment.single, body)
+    headers = {**AUTH, "traceparent": FAILED_TRACEPARENT, "x-request-id": "followed-501"}
+    response = chat(deployment.pd, body, headers)
+    record("failed request followed by id and trace", response, baseline)
+    assert (response.status_code, baseline.status_code) == (501, 501)
+    assert response.json() == baseline.json()
+    deadline = time.monotonic() + 30
+    while True:
+        spans = spans_of(deployment, FAILED_TRACE)
+        names = {span["name"] for span in spans}
+        lines = [
+            line
+            for line in deployment.pd.log_path.read_text(errors="replace").splitlines()
+            if "request followed-501:" in line
+        ]
+        if ({"epd.request", "epd.encoder_call"} <= names and lines) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any("answered 501" in line for line in lines), lines
+    [request] = [span for span in spans if span["name"] == "epd.request"]
+    assert request["parent_span_id"] == FAILED_TRACEPARENT.split("-")[2]
+    assert request["attributes"]["epd.request_id"] == "followed-501"
+    [call] = [span for span in spans if span["name"] == "epd.encoder_call"]
+    assert call["error"]
+    assert call["attributes"]["http.response.status_code"] == 501
+    assert call["attributes"]["epd.outcome"] in {"status", "rejected"}  # as the call saw it, before judging
+    assert call["attributes"]["server.address"].rstrip("/") in {e.url for e in deployment.encoders}
+    assert {span["service"] for span in spans if span["name"].startswith("epd.")} == {"pd"}

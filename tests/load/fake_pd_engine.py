@@ -22,8 +22,9 @@ not stretch the simulated GPU.
                                              [--options JSON]
 
 serves the engine under uvicorn with EPDMiddleware in front of it, the middleware told the engine's
-load through ``Host(engine_load=...)`` as vLLM's state tells it
-(``engine_client.get_num_unfinished_requests()``). ``GET /engine/stats`` answers the GPU's accounting.
+load and prefill backlog through ``Host(engine_load=..., engine_queued_tokens=...)`` as vLLM's state
+tells them (``engine_client.get_num_unfinished_requests()``, ``get_num_queued_tokens()``).
+``GET /engine/stats`` answers the GPU's accounting.
 """
 
 from __future__ import annotations
@@ -157,6 +158,11 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         """As vLLM's ``engine_client.get_num_unfinished_requests()``: every request the engine holds."""
         return len(self.waiting) + len(self.running)
+
+    def num_queued_tokens(self) -> int:
+        """As vLLM's ``engine_client.get_num_queued_tokens()``: the prompt tokens of the requests still
+        in prefill."""
+        return sum(seq.prompt_tokens for seq in self.waiting if not seq.aborted)
 
     def add(self, sequence: Sequence) -> None:
         sequence.loaded = sequence.reference_tokens == 0
@@ -356,6 +362,9 @@ class EngineClient:
     def get_num_unfinished_requests(self) -> int:
         return self._engine.num_unfinished_requests()
 
+    def get_num_queued_tokens(self) -> int:
+        return self._engine.num_queued_tokens()
+
 
 class State:
     def __init__(self, engine: Engine) -> None:
@@ -459,11 +468,14 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     engine = Engine(GPUCosts(**json.loads(args.costs)))
     engine_app = EngineApp(engine)
-    # What vLLM's state tells the middleware in a real PD: the engine's load (its engine client), and the
-    # served model's image processor (Qwen2.5-VL: 28 pixels a token side, its pixel bounds).
+    # What vLLM's state tells the middleware in a real PD: the engine's load and prefill backlog (its
+    # engine client) and step budget (max_num_batched_tokens), and the served model's image processor
+    # (Qwen2.5-VL: 28 pixels a token side, its pixel bounds).
     host = Host(
         placement=args.placement,
         engine_load=engine.num_unfinished_requests,
+        engine_queued_tokens=engine.num_queued_tokens,
+        step_tokens=engine.costs.step_token_budget,
         vision_token_side=FACTOR,
         image_pixel_bounds=(MIN_PIXELS, MAX_PIXELS),
     )
