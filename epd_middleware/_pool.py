@@ -89,6 +89,9 @@ class Health:
     proven_until: float = 0.0
     proven_by_canary: bool = False
     proof: Proof | None = None
+    # Its own canary encode failed while /health passed: its encoding is broken, which /health does not
+    # see, so only a call that succeeds (or a canary that passes) brings it back, not /health.
+    encode_broken: bool = False
     # Failed calls by who was at fault (_blame.BLAMES), and ejections the confirmation averted.
     blamed: Counter[str] = field(default_factory=Counter)
     kept: int = 0
@@ -262,8 +265,14 @@ class ServerPool:
         ratio = seconds / fastest if fastest > 0 else 1.0
         health.slowdown = ratio if not health.slowdown else 0.8 * health.slowdown + 0.2 * ratio
 
-    def record_success(self, url: str) -> None:
+    def record_success(self, url: str, *, health_check: bool = False) -> None:
+        """A successful call, or (``health_check``) a passing ``/health``, which says nothing of a
+        server whose own canary encode failed: that one stays out until its cool-down ends, and its
+        cool-down keeps doubling."""
         health = self.record(url)
+        if health_check and health.encode_broken:
+            return
+        health.encode_broken = False
         back = bool(health.ejected_until)
         if back:
             logger.info("%s %s is back", self.role, url)

@@ -35,7 +35,7 @@ async def probe(
     async def one(url: str) -> None:
         problem = await _health_problem(pool, transport, url, headers)
         if problem is None:
-            pool.record_success(url)
+            pool.record_success(url, health_check=True)
             if ask_load:
                 await _ask_load(pool, transport, url, headers)
         else:
@@ -132,6 +132,7 @@ async def proves_healthy(
         problem = await _health_problem(pool, transport, url, pool.models.headers)
         if problem is None and canary is not None:
             problem = await _canary_problem(pool, transport, url, canary)
+            health.encode_broken = problem is not None
         if problem is None:
             interval = pool.policy.health_check_interval
             health.proven_until = anyio.current_time() + (interval if interval > 0 else _PROOF_HOLDS_S)

@@ -813,3 +813,36 @@ async def test_a_calls_latency_is_classed_by_the_bytes_it_sent_whole_or_in_piece
     assert health is not None
     assert list(health.fastest) == [len(whole).bit_length()]
     assert body_size(pieces) == body_size(whole) == len(whole)
+
+
+async def test_an_encoder_whose_canary_failed_is_not_brought_back_by_its_health_check() -> None:
+    """/health says nothing of encoding: an encoder ejected because its own canary encode failed stays
+    out until its cool-down ends, and its cool-down keeps doubling, however often /health passes; a call
+    that succeeds once the cool-down is over is what brings it back."""
+    from epd_middleware._canary import canary
+    from epd_middleware._probes import confirm_failing
+
+    pool = pool_of(E0, E1, eject_after=1, eject_cooldown=0.5, max_eject_cooldown=600.0)
+    broken = vllm(chat=answer_status(500, "CUDA error: an illegal memory access"))
+    transport = FakeTransport({E0: broken, E1: vllm()})
+    check = canary(MODEL, None, None)
+    pool.suspect(E0, anyio.current_time(), "HTTP 500")
+    await confirm_failing(pool, transport, E0, check)
+    assert E0 not in pool.available(anyio.current_time())
+
+    await probe(pool, transport, {})  # its /health passes
+    assert E0 not in pool.available(anyio.current_time())
+    pool.suspect(E0, anyio.current_time(), "HTTP 500")
+    await confirm_failing(pool, transport, E0, check)
+    assert pool.record(E0).cooldown == 1.0  # doubled: not reset by the passing /health
+
+    transport.servers[E0] = vllm(chat=own_answer)  # mended
+    await anyio.sleep(1.1)  # the cool-down is over: the next call tries it, and its success counts
+    server, _ = await call(pool, transport, E0)
+    assert server == E0
+    assert pool.record(E0).cooldown == 0.0
+    # A server ejected for its /health alone comes back on a passing one, as before.
+    pool.record_failure(E1, anyio.current_time(), "health check HTTP 503")
+    assert E1 not in pool.available(anyio.current_time())
+    await probe(pool, transport, {})
+    assert E1 in pool.available(anyio.current_time())

@@ -119,9 +119,14 @@ async def test_consecutive_failures_eject_an_encoder_and_cooldown_grows() -> Non
     assert [call.encoder for call in encoders.calls].count(E1) == 3
     assert 0.3 < pool.snapshot(anyio.current_time())[E1]["ejected_for_s"] <= 0.6
 
-    encoders.mode[E1] = "ok"  # E1 recovers; a health probe brings it back at once
+    encoders.mode[E1] = "ok"  # E1 recovers. Its canary failed, and /health cannot tell: a probe keeps it out
     await probe(pool, HttpxTransport(encoders.client()), {})
+    assert pool.snapshot(anyio.current_time())[E1]["healthy"] is False
+    await anyio.sleep(0.65)  # until its cool-down ends: its trial call succeeds, and it is back
+    for seed in range(20, 24):
+        assert (await post(middleware, chat_body(image(png(seed))))).status_code == 200
     assert pool.snapshot(anyio.current_time())[E1]["healthy"] is True
+    assert [call.encoder for call in encoders.calls].count(E1) >= 4
 
 
 def _pool(stack: Any) -> Any:
