@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,7 @@ import anyio
 from epd_lab.servers import free_port
 from epd_middleware._http import HTTPClient, HTTPError
 
+from .cpu_per_request import cpu_of, own_cpu
 from .perf import chat_request, noise_png
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,18 +85,7 @@ FULL_SCALE = {
     "prefill_per_image_s": 0.065,
     "decode_s": 32 * 0.0119,
 }
-_TICK = os.sysconf("SC_CLK_TCK")
 _JSON = {"content-type": "application/json"}
-
-
-def _cpu_of(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _own_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _machine_busy() -> tuple[float, float]:
@@ -176,9 +165,9 @@ class Processes:
             await client.aclose()
 
     def cpu(self) -> dict[str, float]:
-        out = {f"encoder {index + 1}": _cpu_of(proc.pid) for index, proc in enumerate(self.procs[:-1])}
-        out["pd server"] = _cpu_of(self.procs[-1].pid)
-        out["load generator"] = _own_cpu()
+        out = {f"encoder {index + 1}": cpu_of(proc.pid) for index, proc in enumerate(self.procs[:-1])}
+        out["pd server"] = cpu_of(self.procs[-1].pid)
+        out["load generator"] = own_cpu()
         return out
 
     def stop(self) -> None:

@@ -31,12 +31,14 @@ from .perf import Case, Rig, chat_request, direct, load, noise_png, poster, prep
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_of(pid: int) -> float:
+def cpu_of(pid: int) -> float:
+    """The user + system CPU seconds process ``pid`` has used (/proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _own_cpu() -> float:
+def own_cpu() -> float:
+    """The user + system CPU seconds this process has used."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -75,12 +77,12 @@ async def main(rounds: int, baseline: Path | None, scale: int) -> None:
             measured: dict[str, list[dict[str, float]]] = {name: [] for name in paths}
             for _ in range(rounds):
                 for name, send in paths.items():
-                    before = {key: _cpu_of(pid) for key, pid in pids.items()}
-                    own, started = _own_cpu(), time.perf_counter()
+                    before = {key: cpu_of(pid) for key, pid in pids.items()}
+                    own, started = own_cpu(), time.perf_counter()
                     await load(send, requests, 16)
                     wall = time.perf_counter() - started
-                    per = {key: (_cpu_of(pid) - before[key]) / requests * 1000 for key, pid in pids.items()}
-                    per["load generator"] = (_own_cpu() - own) / requests * 1000
+                    per = {key: (cpu_of(pid) - before[key]) / requests * 1000 for key, pid in pids.items()}
+                    per["load generator"] = (own_cpu() - own) / requests * 1000
                     per["req/s"] = requests / wall
                     measured[name].append(per)
             for name, samples in measured.items():
