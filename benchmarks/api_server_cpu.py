@@ -27,11 +27,12 @@ import httpx
 from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, seed_image, seed_request
 from epd_middleware._handles import match_reply, part_metadata, transfer_params
-from epd_middleware._plan import media_items
+from epd_middleware._plan import UuidKey, media_items
 from epd_middleware._surfaces import encode_fields
 from epd_middleware._surfaces import openai_chat as chat
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "perf" / "api_server_cpu.json"
+_UUID_KEY = UuidKey()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -58,7 +59,9 @@ def rewritten(encoder: str, body: dict[str, Any]) -> dict[str, Any]:
     """What the middleware hands the engine for ``body``: encoded on ``encoder`` from here."""
     request = chat.parse(json.dumps(body).encode())
     assert request is not None
-    items, uuids = media_items(request.media, trust_client_uuid=False, salt=None, pin_uuid=True)
+    items, uuids = media_items(
+        request.media, trust_client_uuid=False, salt=None, pin_uuid=True, uuid_key=_UUID_KEY
+    )
     encoder_body = b"".join(chat.SURFACE.encoder_body(request, [item.part for item in items]))
     reply = httpx.post(
         f"{encoder}/v1/chat/completions",

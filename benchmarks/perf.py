@@ -47,11 +47,13 @@ from epd_lab.servers import free_port
 from epd_middleware import EPDMiddleware
 from epd_middleware._handles import part_metadata, transfer_params
 from epd_middleware._http import HTTPClient
-from epd_middleware._plan import media_items
+from epd_middleware._plan import UuidKey, media_items
 from epd_middleware._surfaces import encode_fields
 from epd_middleware._surfaces import openai_chat as chat
 
 ROOT = Path(__file__).resolve().parent.parent
+# Keyed as the middleware keys them (a keyed BLAKE3 hash costs what the unkeyed one does).
+_UUID_KEY = UuidKey()
 # glibc malloc told to keep freed memory rather than give it back to the system: multi-MB request bodies
 # then reuse warm pages instead of faulting in fresh ones on every request (docs/deployment.md).
 TUNED_MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(256 << 20)}
@@ -112,7 +114,9 @@ async def prepare_direct(case: Case, encoder: str, client: HTTPClient) -> None:
     if request is None or not request.media:
         case.engine_body = case.body  # no media: the floor is the bare engine
         return
-    items, uuids = media_items(request.media, trust_client_uuid=False, salt=None, pin_uuid=True)
+    items, uuids = media_items(
+        request.media, trust_client_uuid=False, salt=None, pin_uuid=True, uuid_key=_UUID_KEY
+    )
     case.encoder_body = b"".join(chat.SURFACE.encoder_body(request, [item.part for item in items]))
     status, reply = await client.request("POST", f"{encoder}/v1/chat/completions", case.encoder_body)
     assert status == 200, reply

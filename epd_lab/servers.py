@@ -126,6 +126,9 @@ CONNECTORS = ("example", "mooncake")
 SHIM_SITE = ROOT / "epd_lab" / "pd_site"
 # What Mooncake needs here (docs/vllm-cpu.md): its hostname is vLLM's get_ip(), which is not loopback.
 MOONCAKE_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
+# The lab fleet's secret for content uuids (EPD_UUID_KEY): every PD of the lab shares it, as a fleet's PD
+# replicas share one from a Secret, so the tests can name the uuid the middleware gives an image.
+LAB_UUID_KEY = "epd-lab-fleet-secret-not-for-production"
 
 
 def ec_config(
@@ -384,7 +387,7 @@ def pd_server(
     args = ["--ec-transfer-config", ec_config("ec_consumer", storage, connector, push_wait=push_wait)]
     if kv is not None:
         args += ["--kv-transfer-config", kv_config(*kv)]
-    env = {"EPD_ENCODERS": ",".join(encoders), "EPD_ENCODER_TIMEOUT": "120"}
+    env = {"EPD_ENCODERS": ",".join(encoders), "EPD_ENCODER_TIMEOUT": "120", "EPD_UUID_KEY": LAB_UUID_KEY}
     if connector == "mooncake":
         env.update(MOONCAKE_ENV)
         if shim:
@@ -402,3 +405,10 @@ def pd_server(
 
 def single_server(python: str, model: Path, log_dir: Path, name: str = "single") -> VLLMServer:
     return VLLMServer(name, python, model, log_dir)
+
+
+def lab_uuid(modality: str, content: Iterable[str], salt: str | None = None) -> str:
+    """The content uuid a lab PD gives this media (under :data:`LAB_UUID_KEY`)."""
+    from epd_middleware._plan import UuidKey, content_uuid
+
+    return content_uuid(modality, tuple(content), salt, UuidKey(LAB_UUID_KEY))

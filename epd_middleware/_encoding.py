@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import anyio
@@ -21,7 +21,7 @@ from ._handles import Handle, ItemKey, part_metadata, push_items, transfer_param
 from ._logs import logger
 from ._metrics import Stats
 from ._placement import Decision, Placement, item_tokens
-from ._plan import EncoderCall, MediaItem, media_items, plan_calls
+from ._plan import EncoderCall, MediaItem, UuidKey, media_items, plan_calls
 from ._pool import ServerPool, no_server_left
 from ._protocol import EC_ITEMS, MODEL, embedding_used
 from ._rawjson import text_of
@@ -71,6 +71,11 @@ class EncodeStage:
     reuse: HandleCache
     stats: Stats
     placement: Placement
+    # The key of the content uuids (the fleet's uuid_key, else this process's own).
+    uuid_key: UuidKey = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.uuid_key = UuidKey(self.config.uuid_key)
 
     async def run(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> Encoded:
         found = self._items(surface, request, context)
@@ -142,6 +147,7 @@ class EncodeStage:
             trust_client_uuid=self.config.trust_client_uuid and surface.pins_uuids,
             salt=request.cache_salt,
             pin_uuid=surface.pins_uuids,
+            uuid_key=self.uuid_key,
         )
         # The identifier the engine will give each item, where the surface pins the uuid (Messages: the
         # engine hashes the image itself, and its parts are never references): a handle under any other

@@ -72,6 +72,12 @@ class EPDMiddleware:
             log_as_json()
         for warning in config.warnings():
             logger.warning("epd: %s", warning)
+        if config.uuid_key is None:
+            logger.info(
+                "epd: media uuids are keyed by a key of this process's own (uuid_key is not set): media "
+                "sent through another process or PD replica is encoded again there; give every PD the "
+                "same EPD_UUID_KEY (a Secret) to share it"
+            )
         self.app = app
         self.config = config
         self._surfaces: dict[str, Surface] = {

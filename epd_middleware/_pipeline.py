@@ -40,6 +40,7 @@ from ._encoding import EncodeStage
 from ._logs import logger
 from ._metrics import Stats
 from ._placement import Placement, PlacementPolicy
+from ._plan import UuidKey
 from ._pool import PoolPolicy, ServerPool
 from ._prefill import PrefillStage
 from ._protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
@@ -108,6 +109,11 @@ class Pipeline:
         self.placement = Placement(placement_policy(config), self.encoders, self.stats)
         self._encode = EncodeStage(config, self.encoders, self.reuse, self.stats, self.placement)
         self._prefill = PrefillStage(config, self.prefill, self.stats)
+
+    @property
+    def uuid_key(self) -> UuidKey:
+        """The key of the media's content uuids (:class:`~._plan.UuidKey`)."""
+        return self._encode.uuid_key
 
     def _discovery(self, pool: ServerPool, urls: tuple[str, ...]) -> Discovery:
         config = self.config

@@ -5,6 +5,7 @@ Pure functions over small frozen dataclasses; nothing here does I/O.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,7 +15,19 @@ from blake3 import blake3
 from ._protocol import UNBATCHED_MODALITIES, UUID
 from ._rawjson import Raw, raw_text
 
-__all__ = ["EncoderCall", "MediaItem", "MediaSource", "content_uuid", "media_items", "plan_calls"]
+__all__ = [
+    "EncoderCall",
+    "MediaItem",
+    "MediaSource",
+    "UuidKey",
+    "content_uuid",
+    "media_items",
+    "plan_calls",
+]
+
+# BLAKE3's key derivation context for the uuid key: a secret given for this purpose yields a key of its
+# own, never the same 32 bytes another use of the secret would.
+_KEY_CONTEXT = "epd-middleware 2026-12-02 media content uuid key"
 
 
 class MediaSource(Protocol):
@@ -48,15 +61,36 @@ class EncoderCall:
     preferred: tuple[str, ...] = ()
 
 
-def content_uuid(modality: str, content: Sequence[str | Raw], salt: str | None = None) -> str:
-    """A uuid derived from the media as sent: equal media give equal uuids, across requests too.
+class UuidKey:
+    """The key of the content uuids: BLAKE3 keyed by the fleet secret (``uuid_key``), else by a key this
+    process draws at start. Without it no one can compute the uuid another request's media will have,
+    so no one who reaches an encoder or the EC storage can plant an embedding under it in advance."""
+
+    __slots__ = ("key", "shared")
+
+    def __init__(self, secret: str | None = None) -> None:
+        if secret is None:
+            self.key = secrets.token_bytes(32)
+        else:
+            material = secret.encode("utf-8", "surrogatepass")
+            self.key = blake3(material, derive_key_context=_KEY_CONTEXT).digest()
+        # Whether the key is the fleet's (configured), so that other processes and replicas share uuids.
+        self.shared = secret is not None
+
+
+def content_uuid(
+    modality: str, content: Sequence[str | Raw], salt: str | None = None, key: UuidKey | None = None
+) -> str:
+    """A uuid derived from the media as sent: equal media give equal uuids, across requests too (and
+    across processes and replicas that share ``key``; None: the public, unkeyed hash, which anyone can
+    compute for any media).
 
     Hashes the text (data URL, http URL or input_audio base64) without decoding it: decoding costs more
     than hashing and identifies the media no better. BLAKE3 (vLLM's own multimodal hasher) runs several
     times faster than SHA-256 on these sizes. The result is hex, safe as a file name for connectors that
     store embeddings under their hash.
     """
-    hasher = blake3()
+    hasher = blake3(key=key.key) if key is not None else blake3()
     hasher.update(b"epd-media-v1\0")
     if salt is not None:
         # The salt's length goes first so that salt and modality cannot trade characters.
@@ -111,13 +145,14 @@ def media_items(
     trust_client_uuid: bool,
     salt: str | None,
     pin_uuid: bool,
+    uuid_key: UuidKey | None = None,
 ) -> tuple[tuple[MediaItem, ...], tuple[str, ...]]:
     """The distinct items of a request and, for each part, the uuid of its item.
 
     Parts of one modality with the same uuid are one item, encoded once. A client uuid is kept only when
-    trusted: it is a key that every client shares, so by default the content decides. ``pin_uuid``: the
-    encoder's part carries the uuid (the engine's will too); else it goes as the client sent it (the
-    engine hashes the media itself).
+    trusted: it is a key that every client shares, so by default the content decides, hashed under
+    ``uuid_key``. ``pin_uuid``: the encoder's part carries the uuid (the engine's will too); else it goes
+    as the client sent it (the engine hashes the media itself).
     """
     uuids: list[str] = []
     items: dict[tuple[str, str], MediaItem] = {}
@@ -125,7 +160,7 @@ def media_items(
         if trust_client_uuid and part.client_uuid is not None:
             uuid = part.client_uuid
         else:
-            uuid = content_uuid(part.modality, part.content, salt)
+            uuid = content_uuid(part.modality, part.content, salt, uuid_key)
         uuids.append(uuid)
         key = (part.modality, uuid)
         if key not in items:

@@ -49,6 +49,8 @@ TOOL_VARIABLES = frozenset(
         "EPD_FLEET_LOGS",
     }
 )
+# 128 bits: a uuid_key shorter than this could be found by trying keys against one known uuid.
+_MIN_UUID_KEY_BYTES = 16
 _TRUE = frozenset({"1", "true", "yes", "on", "True", "TRUE"})
 
 
@@ -445,6 +447,25 @@ class EPDConfig(BaseModel):
         repr=False,
         description="Bearer token sent to the encoders and prefill servers.",
     )
+    canary_api_key: str | None = Field(
+        default=None,
+        repr=False,
+        description=(
+            "Bearer token the canary encode carries under forward_authorization (the canary confirms an "
+            "encoder's ejection and never carries a client's key). Without it the canary carries "
+            "encoder_api_key, or no key."
+        ),
+    )
+    uuid_key: str | None = Field(
+        default=None,
+        repr=False,
+        description=(
+            "The fleet secret that keys the content uuids of media (BLAKE3 keyed hash), so that no one "
+            "without it can name another request's embedding on an encoder or in the EC storage. Every PD "
+            "server and API-server process of a fleet needs the same key to share encoded media (an "
+            "encoder's cache, stored embeddings); without it each process draws its own at start."
+        ),
+    )
     strict_env: bool = Field(
         default=False,
         description=(
@@ -569,6 +590,30 @@ class EPDConfig(BaseModel):
             raise ValueError("encoder_api_key must be printable ASCII without leading or trailing spaces")
         return key
 
+    @field_validator("canary_api_key")
+    @classmethod
+    def _check_canary_key(cls, key: str | None) -> str | None:
+        if key is not None and (not key.isprintable() or not key.isascii() or key != key.strip()):
+            raise ValueError("canary_api_key must be printable ASCII without leading or trailing spaces")
+        return key
+
+    @field_validator("uuid_key")
+    @classmethod
+    def _check_uuid_key(cls, key: str | None) -> str | None:
+        if key is not None and len(key.encode("utf-8", "surrogatepass")) < _MIN_UUID_KEY_BYTES:
+            # A short secret can be guessed by trying: the uuids it keys would be named again.
+            raise ValueError(
+                f"uuid_key must be at least {_MIN_UUID_KEY_BYTES} bytes (openssl rand -hex 32 makes one)"
+            )
+        return key
+
+    @property
+    def canary_authorization(self) -> str | None:
+        """The Authorization header of the canary encode: never a client's (under
+        forward_authorization the calls carry the client's; the canary, the operator's key for it)."""
+        key = self.canary_api_key or self.encoder_api_key
+        return f"Bearer {key}" if key else None
+
     @property
     def encoder_authorization(self) -> str | None:
         """The Authorization header of calls and probes to the encoders, when an encoder key is set."""
@@ -610,6 +655,12 @@ class EPDConfig(BaseModel):
                 f"encode_deadline ({self.encode_deadline:g} s) is shorter than encoder_timeout "
                 f"({self.encoder_timeout:g} s): no encoder call can use its whole timeout, and a slow call "
                 "ends the request (504) before it could fail over"
+            )
+        if self.forward_authorization and not (self.canary_api_key or self.encoder_api_key):
+            found.append(
+                "forward_authorization without canary_api_key: the canary encode that confirms an "
+                "encoder's ejection carries no key (never a client's), so encoders that require one are "
+                "proven by /health alone"
             )
         if self.health_check_interval and self.health_check_timeout > self.health_check_interval:
             found.append(
@@ -780,5 +831,7 @@ class EPDOptions(TypedDict, total=False):
     authenticate: bool
     status_path: str
     encoder_api_key: str | None
+    canary_api_key: str | None
+    uuid_key: str | None
     strict_env: bool
     forward_authorization: bool

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from epd_middleware import EPDMiddleware
 from epd_middleware._canary import CANARY_UUID
+from epd_middleware._plan import UuidKey, content_uuid
 
 DEFAULT_GRID = [1, 36, 26]  # 234 tokens after the 2x2 merge
 SMALL_GRID = [1, 12, 18]  # 54 tokens
@@ -32,6 +33,14 @@ MODEL = "tiny-qwen2-vl"
 
 # The model names the tests send; fake servers say they serve all of them unless told otherwise.
 TEST_MODELS = [MODEL, "m", "a", "b", "bench"]
+# The fleet secret the fakes' middleware keys content uuids with, so that a test can compute them.
+TEST_UUID_KEY = "test-fleet-secret-0123456789abcdef"
+_TEST_KEY = UuidKey(TEST_UUID_KEY)
+
+
+def uuid_of(modality: str, content: Sequence[str], salt: str | None = None) -> str:
+    """The content uuid the fakes' middleware gives this media (under :data:`TEST_UUID_KEY`)."""
+    return content_uuid(modality, content, salt, _TEST_KEY)
 
 
 def models_answer(names: list[str], root: str | None = None) -> dict[str, Any]:
@@ -444,6 +453,7 @@ def build_app(
     # These tests count calls per encoder in the order round-robin gives (today's behaviour, kept by
     # encoder_selection='round_robin'); the affinity tests ask for it explicitly.
     options.setdefault("encoder_selection", "round_robin")
+    options.setdefault("uuid_key", TEST_UUID_KEY)
     app.add_middleware(EPDMiddleware, encoders=encoders.urls, http_client=client, **options)
     return app, client
 
@@ -455,6 +465,7 @@ def app_with_encoder_handler(
     engine = FakeEngine()
     app = engine.app()
     options.setdefault("encoder_selection", "round_robin")
+    options.setdefault("uuid_key", TEST_UUID_KEY)
     app.add_middleware(
         EPDMiddleware, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)), **options
     )

@@ -14,13 +14,13 @@ from hypothesis import strategies as st
 
 from epd_middleware import EPDMiddleware
 
-from .fakes import FakeEngine, scripted_receive
+from .fakes import TEST_UUID_KEY, FakeEngine, scripted_receive
 from .test_middleware import http_scope
 
 pytestmark = pytest.mark.anyio
 
 E0, E1 = "http://enc-0:8001", "http://enc-1:8001"
-LIMITS = {"max_body_bytes": 400_000, "max_media_items": 16, "max_batch_size": 4}
+LIMITS = {"max_body_bytes": 400_000, "max_media_items": 16, "max_batch_size": 4, "uuid_key": TEST_UUID_KEY}
 
 scalars = st.one_of(
     st.none(),

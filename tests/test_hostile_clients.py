@@ -21,11 +21,19 @@ import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
 from epd_middleware._identifiers import hash_kwargs
-from epd_middleware._plan import content_uuid
 from epd_middleware.host import Host
 from epd_middleware.vllm_plugin import EPDPlugin, check_keys
 
-from .fakes import FakeEncoders, FakeEngine, FakePrefill, build_app, chat_body, image, scripted_receive
+from .fakes import (
+    FakeEncoders,
+    FakeEngine,
+    FakePrefill,
+    build_app,
+    chat_body,
+    image,
+    scripted_receive,
+    uuid_of,
+)
 from .test_middleware import E0, E1, http_scope, media_parts, png
 
 pytestmark = pytest.mark.anyio
@@ -352,7 +360,7 @@ async def test_batch_conversations_are_encoded_and_written_back_each() -> None:
     parts = [conversation[0]["content"][1] for conversation in sent["messages"]]
     assert [part["type"] for part in parts] == ["image_embeds"] * 2
     uuids = [part["uuid"] for part in parts]
-    assert uuids == [content_uuid("image", (f"data:image/png;base64,{png(seed)}",)) for seed in (1, 2)]
+    assert uuids == [uuid_of("image", (f"data:image/png;base64,{png(seed)}",)) for seed in (1, 2)]
     assert set(sent["ec_transfer_params"]) == set(uuids)
 
 

@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
-from epd_middleware._plan import content_uuid
 
 from .fakes import (
     DEFAULT_GRID,
     MODEL,
     SMALL_GRID,
+    TEST_UUID_KEY,
     FakeEncoders,
     FakeEngine,
     app_with_encoder_handler,
@@ -27,6 +27,7 @@ from .fakes import (
     chat_body,
     derived_hash,
     image,
+    uuid_of,
 )
 
 pytestmark = pytest.mark.anyio
@@ -89,7 +90,7 @@ async def test_one_image_is_encoded_and_rewritten_to_a_metadata_reference() -> N
 
     [call] = encoders.calls
     [sent] = call.body["messages"][0]["content"]
-    uuid = content_uuid("image", (f"data:image/png;base64,{data}",))
+    uuid = uuid_of("image", (f"data:image/png;base64,{data}",))
     assert sent == {**image(data), "uuid": uuid}
     assert call.body["model"] == MODEL
     assert call.body["stream"] is False
@@ -120,7 +121,7 @@ async def test_responses_style_input_image_parts_are_encoded_too() -> None:
     response = await post(app, chat_body(part, **OPTIONS))
     assert response.status_code == 200, response.text
     [call] = encoders.calls
-    uuid = content_uuid("image", (url,))
+    uuid = uuid_of("image", (url,))
     # With a uuid vLLM finds the kind by the first media key: image_url, here a bare URL string.
     assert call.body["messages"][0]["content"] == [{**part, "uuid": uuid}]
     [sent] = media_parts(engine.received[0].json)
@@ -258,7 +259,7 @@ async def test_client_uuid_is_kept_when_trusted() -> None:
     assert (await post(app, chat_body(image(png(1), uuid="client-key"), image(png(2))))).status_code == 200
     first, second = media_parts(engine.received[0].json)
     assert first["uuid"] == "client-key"
-    assert second["uuid"] == content_uuid("image", (f"data:image/png;base64,{png(2)}",))
+    assert second["uuid"] == uuid_of("image", (f"data:image/png;base64,{png(2)}",))
     assert "client-key" in engine.received[0].json["ec_transfer_params"]
 
 
@@ -273,7 +274,7 @@ async def test_uuid_only_reference_stays_and_keeps_its_modality_raw() -> None:
     # audio has no reference and is rewritten.
     assert parts[0]["type"] == "image_url"
     assert parts[0]["image_url"] == image(png(1))["image_url"]
-    assert parts[0]["uuid"] == content_uuid("image", (f"data:image/png;base64,{png(1)}",))
+    assert parts[0]["uuid"] == uuid_of("image", (f"data:image/png;base64,{png(1)}",))
     assert parts[1] == reference
     assert parts[2]["type"] == "audio_embeds"
     sent = [part for call in encoders.calls for part in call.body["messages"][0]["content"]]
@@ -652,8 +653,8 @@ async def test_config_object_is_equivalent_to_keyword_options() -> None:
     encoders = FakeEncoders([E0, E1])
     results = []
     for options in (
-        {"encoders": [E0, E1], "max_batch_size": 1},
-        {"config": EPDConfig(encoders=(E0, E1), max_batch_size=1)},
+        {"encoders": [E0, E1], "max_batch_size": 1, "uuid_key": TEST_UUID_KEY},
+        {"config": EPDConfig(encoders=(E0, E1), max_batch_size=1, uuid_key=TEST_UUID_KEY)},
     ):
         engine = FakeEngine()
         app = engine.app()

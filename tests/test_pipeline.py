@@ -19,7 +19,6 @@ from epd_middleware import EPDConfig, Host
 from epd_middleware._compat import Expectation
 from epd_middleware._context import RequestContext
 from epd_middleware._pipeline import Pipeline
-from epd_middleware._plan import content_uuid
 from epd_middleware._protocol import EXAMPLE_CONNECTOR_FILE, PREFILL_KV_TRANSFER_PARAMS
 from epd_middleware._scheduler import NO_ROUTE, Route
 from epd_middleware._surfaces import (
@@ -57,6 +56,8 @@ from .fake_transport import (
     refuse,
     vllm,
 )
+from .fakes import TEST_UUID_KEY
+from .fakes import uuid_of as keyed_uuid
 
 pytestmark = pytest.mark.anyio
 
@@ -83,6 +84,7 @@ def pipeline(**options: Any) -> Pipeline:
         "health_check_interval": 0,
         "check_models": False,
         "encoder_selection": "round_robin",
+        "uuid_key": TEST_UUID_KEY,
     }
     return Pipeline(EPDConfig(**{**defaults, **options}))
 
@@ -118,7 +120,7 @@ def chat_body(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 def uuid_of(seed: int, salt: str | None = None) -> str:
     """The content uuid the middleware gives an image (hashes the URL text as sent)."""
-    return content_uuid("image", (url(seed),), salt)
+    return keyed_uuid("image", (url(seed),), salt)
 
 
 def parsed(pipe: Pipeline, body: dict[str, Any], surface: Surface = CHAT) -> ParsedRequest:
@@ -422,7 +424,7 @@ async def test_under_the_local_policy_what_did_encode_is_kept_and_the_rest_left_
         "image_embeds": {"image_grid_thw": DEFAULT_GRID},
         "uuid": uuid_of(1),
     }
-    assert audio_part == {**audio(2), "uuid": content_uuid("audio", (png(2), "wav"))}
+    assert audio_part == {**audio(2), "uuid": keyed_uuid("audio", (png(2), "wav"))}
     assert list(out["ec_transfer_params"]) == [uuid_of(1)]
 
 

@@ -12,10 +12,20 @@ import pytest
 
 from epd_middleware import EPDMiddleware
 from epd_middleware import _selection as selection
-from epd_middleware._plan import MediaItem, content_uuid, plan_calls
+from epd_middleware._plan import MediaItem, plan_calls
 from epd_middleware._reuse import request_key
 
-from .fakes import MODEL, FakeEncoders, FakeEngine, chat_body, derived_hash, image, upstream_client
+from .fakes import (
+    MODEL,
+    TEST_UUID_KEY,
+    FakeEncoders,
+    FakeEngine,
+    chat_body,
+    derived_hash,
+    image,
+    upstream_client,
+    uuid_of,
+)
 from .test_middleware import OPTIONS, png, post
 
 pytestmark = pytest.mark.anyio
@@ -29,6 +39,7 @@ def app_with(
     if storage is not None:
         encoders.storage = storage
         options.setdefault("ec_storage_path", str(storage))
+    options.setdefault("uuid_key", TEST_UUID_KEY)
     return EPDMiddleware(
         engine.app(),
         encoders=encoders.urls,
@@ -143,7 +154,7 @@ async def test_options_in_another_order_are_another_key(tmp_path: Path) -> None:
     body = chat_body(image(png(1)), **reordered)
     await post(app, body)
     assert items_sent(encoders) == 2
-    uuid = content_uuid("image", (body["messages"][0]["content"][1]["image_url"]["url"],))
+    uuid = uuid_of("image", (body["messages"][0]["content"][1]["image_url"]["url"],))
     assert list(engine.received[-1].json["ec_transfer_params"]) == [derived_hash(MODEL, uuid, "image", body)]
 
 
@@ -245,7 +256,7 @@ async def status_of(app: EPDMiddleware) -> dict[str, Any]:
 
 
 def item(seed: int, modality: str = "image") -> MediaItem:
-    return MediaItem(content_uuid(modality, (f"data:image/png;base64,{png(seed)}",)), modality, {})
+    return MediaItem(uuid_of(modality, (f"data:image/png;base64,{png(seed)}",)), modality, {})
 
 
 def first_choice(

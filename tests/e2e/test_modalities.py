@@ -14,7 +14,6 @@ import pytest
 
 from epd_lab import servers as lab
 from epd_lab.seed import seed_image
-from epd_middleware._plan import content_uuid
 
 from .conftest import API_KEY, AUDIO_MODEL, Deployment
 from .test_vllm_e2e import assert_fails, assert_same, chat, record, served_requests
@@ -87,7 +86,7 @@ def test_video_equals_the_single_instance_and_pd_gets_no_frames(deployment: Depl
 def video_case(deployment: Deployment, options: dict[str, Any] | None) -> int:
     """One video request through E + PD against the single instance; its prompt tokens."""
     url = data_url(deployment.video, "video/mp4")
-    uuid = content_uuid("video", (url,))
+    uuid = lab.lab_uuid("video", (url,))
     body = request([video_part(url)], options)
     baseline = chat(deployment.single, body)
     record(f"single instance, video, {'non-default' if options else 'default'}", baseline)
@@ -149,7 +148,7 @@ def test_audio_equals_the_single_instance_and_pd_gets_no_samples(
     [stored] = deployment.stored_hashes(deployment.audio_storage) - before
     assert served_requests(deployment.audio_encoder) == encoded + 1
     content = (part["input_audio"]["data"], "wav") if kind == "input_audio" else (part["audio_url"]["url"],)
-    uuid = content_uuid("audio", content)
+    uuid = lab.lab_uuid("audio", content)
     assert (stored == uuid) == (options is None)
     assert loaded(deployment.audio_pd, stored)
 

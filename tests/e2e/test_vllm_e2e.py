@@ -14,7 +14,7 @@ import pytest
 from epd_lab import servers as lab
 from epd_lab.seed import NON_DEFAULT_OPTIONS, PROMPT, seed_image, seed_request
 from epd_middleware import _selection as selection
-from epd_middleware._plan import MediaItem, content_uuid, plan_calls
+from epd_middleware._plan import MediaItem, plan_calls
 
 from .conftest import API_KEY, Deployment
 
@@ -134,7 +134,7 @@ def test_non_default_options_equal_the_single_instance_and_take_effect(deploymen
 @pytest.mark.compat
 def test_handle_reaches_pd_under_the_derived_hash_and_pd_gets_no_pixels(deployment: Deployment) -> None:
     url = image(shift=7)
-    uuid = content_uuid("image", (url,))
+    uuid = lab.lab_uuid("image", (url,))
     before = deployment.stored_hashes()
     body = seed_request(MODEL, images=[url], options=NON_DEFAULT_OPTIONS)
     response = chat(deployment.pd, body, AUTH)
@@ -223,7 +223,7 @@ def affinity_calls(deployment: Deployment, urls: list[str]) -> list[int]:
 
 def planned_calls(encoders: list[str], urls: list[str]) -> list[int]:
     """Calls per encoder (in ``encoders``' order) that content affinity plans for these images."""
-    items = [MediaItem(content_uuid("image", (url,)), "image", {}) for url in urls]
+    items = [MediaItem(lab.lab_uuid("image", (url,)), "image", {}) for url in urls]
     rankings = selection.affinity(items, encoders, {}, max_inflight=64, max_batch_size=8)
     calls = plan_calls(items, rankings, 8)
     return [sum(call.encoder == url for call in calls) for url in encoders]
@@ -240,7 +240,7 @@ def test_several_images_in_one_request_go_where_affinity_sends_them(deployment: 
     record("E + PD (2 encoders), 3 images", response, baseline)
     assert_same(response, baseline)
     new = deployment.stored_hashes() - before
-    assert new == {content_uuid("image", (url,)) for url in urls}
+    assert new == {lab.lab_uuid("image", (url,)) for url in urls}
     calls_after = [served_requests(server) for server in deployment.encoders]
     made = [after - before for after, before in zip(calls_after, calls_before, strict=True)]
     assert made == affinity_calls(deployment, urls)  # each image on its rendezvous encoder, batched
@@ -616,7 +616,7 @@ def test_openai_responses_equal_the_single_instance_and_pd_loads_the_embedding(
     response = post(deployment.pd, "/v1/responses", body, AUTH)
     assert_same_response("E + PD, OpenAI Responses, non-default", response, baseline)
     [stored] = deployment.stored_hashes() - before  # the hash derived from the pinned uuid + options
-    assert stored != content_uuid("image", (url,))
+    assert stored != lab.lab_uuid("image", (url,))
     assert log_count(deployment.pd, f"Success load encoder cache for hash {stored}") == 1
 
 
@@ -708,7 +708,7 @@ def test_zz_video_negative_control_dropping_the_options_fails(deployment: Deploy
 def test_zz_negative_control_dropping_the_options_fails(deployment: Deployment) -> None:
     """What the middleware prevents: the encoder ran without the options, PD runs with them."""
     url = image(shift=150)
-    uuid = content_uuid("image", (url,))
+    uuid = lab.lab_uuid("image", (url,))
     reply = encode_directly(deployment, url, uuid, None)
     [reported] = reply["ec_transfer_params"]
     assert reported == uuid  # no options: vLLM keeps the uuid
