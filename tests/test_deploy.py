@@ -6,6 +6,11 @@ scale on metrics the adapter serves. What an operator applies: requests and limi
 every pod under the "restricted" Pod Security Standard, all three probes on every vLLM server, the model
 cache shared and the token from a Secret, the PD servers' disruption budget and autoscaler, the llm-d
 overlays' stated CRDs and their HTTPRoute, and the EC storage's cleanup (its script run on real files).
+The trust boundary: every server the middleware calls (encoders, prefill servers) asks for the key the
+middleware sends, both from one Secret's key; the uuid key comes from that Secret to the PD servers alone;
+no Secret is shipped, and the docs' command makes the one the manifests name; a NetworkPolicy admits
+only the middleware's servers (and the endpoint picker's scrape) to those servers, on the labels the
+rendered overlay gives the pods.
 With deploy/kubernetes/monitoring beside each of them: the ServiceMonitor scrapes the port vLLM serves
 /metrics on, and every metric the dashboard, the alerts and the prometheus-adapter rules name is one the
 package (or, for the PD servers' HPA, vLLM) exports, with the labels they use. Every rendered object is
@@ -126,7 +131,19 @@ def container(deployment: dict[str, Any], name: str = "vllm") -> dict[str, Any]:
 
 
 def env(deployment: dict[str, Any]) -> dict[str, str]:
-    return {item["name"]: item.get("value", "") for item in container(deployment).get("env", [])}
+    """The vLLM container's variables with a value written in the manifest (not those from valueFrom)."""
+    return {item["name"]: item["value"] for item in container(deployment).get("env", []) if "value" in item}
+
+
+def env_entries(item: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A container's env entries by name, as written (value or valueFrom)."""
+    return {entry["name"]: entry for entry in item.get("env", [])}
+
+
+def secret_ref(entry: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(Secret, key) of an env entry whose value comes from a Secret's key, else None."""
+    reference = (entry or {}).get("valueFrom", {}).get("secretKeyRef")
+    return None if reference is None else (reference["name"], reference["key"])
 
 
 def flag_json(args: list[str], flag: str) -> dict[str, Any]:
@@ -194,10 +211,14 @@ def test_every_epd_variable_is_an_option_with_a_valid_value(
 ) -> None:
     _, objects = rendered
     for deployment in vllm_servers(objects):
-        variables = {k: v for k, v in env(deployment).items() if k.startswith("EPD_")}
-        for name in variables:
+        entries = {k: v for k, v in env_entries(container(deployment)).items() if k.startswith("EPD_")}
+        for name, entry in entries.items():
             assert name.removeprefix("EPD_").lower() in EPDConfig.model_fields, name
-        if variables:
+            # A value is written here or comes from a Secret's key (the keys): nothing else.
+            assert "value" in entry or secret_ref(entry) is not None, name
+        # The Secrets' values are the cluster's, not the manifests': only the written ones are checked.
+        variables = {k: v["value"] for k, v in entries.items() if "value" in v}
+        if entries:
             EPDConfig.from_env(variables)  # raises on any invalid value
             assert env(deployment)["VLLM_PLUGINS"] == "epd"
 
@@ -512,6 +533,259 @@ def test_pd_servers_have_a_disruption_budget_and_an_autoscaler(
     assert re.sub(r"^vllm_", "vllm:", metric["pods"]["metric"]["name"]) in VLLM_SERIES
     # Scaling down drops engines with requests on them: slower than scaling up.
     assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+
+# --- The trust boundary (issue 35, item 7): the servers the middleware calls, behind a key and a policy ---
+
+# The Secret the fleet's keys come from: never shipped here, made by the command in docs/deployment.md.
+FLEET_SECRET: Final = "epd-secrets"
+DEPLOYMENT_DOC: Final = DEPLOY.parent.parent / "docs" / "deployment.md"
+# The roles whose servers the middleware calls (encoders; E/P/D's prefill servers).
+CALLED_ROLES: Final = ("encode", "prefill")
+
+
+def middleware_servers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The vLLM servers that run the middleware (VLLM_PLUGINS=epd): the PD (decode) servers."""
+    return [d for d in vllm_servers(objects) if env(d).get("VLLM_PLUGINS") == "epd"]
+
+
+def called_servers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The vLLM servers the middleware calls: its encoders and prefill servers."""
+    return [d for d in vllm_servers(objects) if pod_labels(d).get(ROLE_LABEL) in CALLED_ROLES]
+
+
+def label_selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Kubernetes' LabelSelector: matchLabels and matchExpressions, all of them; {} selects every pod."""
+    if not all(labels.get(key) == value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        found = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
+        if not found:
+            return False
+    return True
+
+
+def pod_template_labels(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, str]]]:
+    """(kind/name, pod labels) of every object that runs pods."""
+    for obj in objects:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+            yield where, obj["spec"]["template"]["metadata"].get("labels", {})
+        elif obj["kind"] == "CronJob":
+            yield where, obj["spec"]["jobTemplate"]["spec"]["template"]["metadata"].get("labels", {})
+
+
+def vllm_port(deployment: dict[str, Any]) -> int:
+    [port] = [
+        int(a.removeprefix("--port=")) for a in container(deployment)["args"] if a.startswith("--port=")
+    ]
+    return port
+
+
+def admitted_ports(rule: dict[str, Any], target: dict[str, Any]) -> set[int] | None:
+    """The target pod's TCP ports an ingress rule admits (a named port resolved on its containers);
+    None for every port (a rule without ports)."""
+    if not rule.get("ports"):
+        return None
+    named = {
+        p["name"]: p["containerPort"]
+        for item in target["spec"]["template"]["spec"]["containers"]
+        for p in item.get("ports", [])
+        if "name" in p
+    }
+    ports = set()
+    for entry in rule["ports"]:
+        assert entry.get("protocol", "TCP") == "TCP", entry
+        assert "endPort" not in entry, entry
+        port = entry["port"]
+        assert isinstance(port, int) or port in named, f"{port} is no port of {target['metadata']['name']}"
+        ports.add(port if isinstance(port, int) else named[port])
+    return ports
+
+
+def pickers_of(objects: list[dict[str, Any]], target: dict[str, Any]) -> set[str]:
+    """The endpoint pickers (Deployments) of every InferencePool the target's pods are in: each reads
+    /metrics of every pod of its pool."""
+    deployments, services = of_kind(objects, "Deployment"), of_kind(objects, "Service")
+    found = set()
+    for pool in of_kind(objects, "InferencePool").values():
+        if selects(pool["spec"]["selector"]["matchLabels"], pod_labels(target)):
+            service = services[pool["spec"]["endpointPickerRef"]["name"]]
+            found |= {
+                n for n, d in deployments.items() if selects(service["spec"]["selector"], pod_labels(d))
+            }
+    return found
+
+
+def test_the_servers_the_middleware_calls_ask_for_the_key_it_sends(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The encoders (and the E/P/D prefill servers) answered anyone: whoever reached one could have it
+    encode media of their choosing. Every one now runs with VLLM_API_KEY (vLLM then asks for "Bearer
+    <key>" on its /v1 routes) from one Secret's key, not optional (a missing Secret keeps the pod from
+    starting rather than starting it unguarded), and every server that runs the middleware sends that
+    same key (EPD_ENCODER_API_KEY, on encodes, the canary and its probes alike)."""
+    overlay, objects = rendered
+    called, pd = called_servers(objects), middleware_servers(objects)
+    roles = {pod_labels(d)[ROLE_LABEL] for d in called}
+    assert roles == ({"encode", "prefill"} if overlay.endswith("e-p-d") else {"encode"}), roles
+    assert pd
+    asked: set[tuple[str, str] | None] = set()
+    for deployment in called:
+        name = deployment["metadata"]["name"]
+        for item in containers(deployment["spec"]["template"]["spec"]):
+            entry = env_entries(item).get("VLLM_API_KEY")
+            assert entry is not None, f"{name}: {item['name']} runs without a key"
+            assert "value" not in entry, f"{name}: a key written into the manifest"
+            assert not entry["valueFrom"]["secretKeyRef"].get("optional", False), name
+            assert not any(arg.startswith("--api-key") for arg in item.get("args", [])), name
+            asked.add(secret_ref(entry))
+    sent = {secret_ref(env_entries(container(d)).get("EPD_ENCODER_API_KEY")) for d in pd}
+    assert sent == asked, (sent, asked)
+    [(secret, _)] = asked
+    assert secret == FLEET_SECRET
+    for deployment in pd:
+        entries = env_entries(container(deployment))
+        # The client's key instead of the fleet's would be refused by every encoder.
+        assert entries.get("EPD_FORWARD_AUTHORIZATION", {}).get("value", "false") == "false"
+
+
+def test_the_uuid_key_comes_from_the_fleet_secret_and_only_the_pd_servers_hold_it(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Content uuids are keyed by a fleet secret (EPD_UUID_KEY). Every PD server takes it from one
+    Secret's key, never a value written here: the same key on every replica (or they stop sharing encoded
+    media), and in no other pod: an encoder or a prefill server that held it could name the uuid another
+    request's media will have, which is what the key is there to prevent."""
+    _, objects = rendered
+    pd = middleware_servers(objects)
+    keyed = set()
+    for deployment in pd:
+        entry = env_entries(container(deployment)).get("EPD_UUID_KEY")
+        assert entry is not None, deployment["metadata"]["name"]
+        assert "value" not in entry, f"{deployment['metadata']['name']}: a uuid key written into the manifest"
+        keyed.add(secret_ref(entry))
+    [uuid_key] = keyed
+    assert uuid_key is not None
+    assert uuid_key[0] == FLEET_SECRET
+    assert uuid_key != secret_ref(env_entries(container(pd[0]))["EPD_ENCODER_API_KEY"])
+    holders = {d["metadata"]["name"] for d in pd}
+    for where, spec in pod_specs(objects):
+        for item in containers(spec):
+            # envFrom would put every key of the Secret into the container, the uuid key among them.
+            for source in item.get("envFrom", []):
+                assert source.get("secretRef", {}).get("name") != FLEET_SECRET, where
+            for entry in item.get("env", []):
+                if secret_ref(entry) == uuid_key:
+                    assert where.removeprefix("Deployment/") in holders, f"{where} holds the uuid key"
+
+
+def test_no_secret_is_shipped_and_the_docs_make_the_one_the_manifests_name() -> None:
+    """No manifest (rendered or not) is a Secret or generates one: the keys are the cluster's. The
+    command docs/deployment.md gives makes the Secret with exactly the keys the manifests reference, each
+    a random value long enough for uuid_key."""
+    for path in sorted(DEPLOY.rglob("*.y*ml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict):
+                assert doc.get("kind") != "Secret", path
+                assert "secretGenerator" not in doc, path
+    referenced = set()
+    for overlay in OVERLAYS:
+        objects = render(overlay)
+        assert not of_kind(objects, "Secret"), overlay
+        for _, spec in pod_specs(objects):
+            for item in containers(spec):
+                for entry in item.get("env", []):
+                    ref = secret_ref(entry)
+                    if ref is not None and ref[0] == FLEET_SECRET:
+                        referenced.add(ref[1])
+    assert referenced == {"encoder-api-key", "uuid-key"}, referenced
+    text = DEPLOYMENT_DOC.read_text().replace("\\\n", " ")
+    [command] = re.findall(rf"kubectl create secret generic {FLEET_SECRET}\b[^`\n]*", text)
+    literals = dict(re.findall(r'--from-literal=([\w.-]+)=("[^"]*"|\S+)', command))
+    assert set(literals) == referenced, (literals, referenced)
+    for value in literals.values():
+        found = re.fullmatch(r'"\$\(openssl rand -hex (\d+)\)"', value)
+        assert found is not None, value
+        assert int(found[1]) >= 16  # 128 bits
+        # What openssl writes (2 hex digits a byte) is a valid key of either kind.
+        hex_key = "ab" * int(found[1])
+        EPDConfig(encoders=("http://encoder:8000",), uuid_key=hex_key, encoder_api_key=hex_key)
+
+
+def test_only_the_middleware_and_the_picker_reach_the_servers_the_middleware_calls(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The key guards vLLM's /v1 routes only (/invocations, /tokenize, /pooling and the rest answer
+    without it), and any pod could reach an encoder. A NetworkPolicy now isolates every encoder (and E/P/D
+    prefill) pod for ingress and admits only the pods that must call it, matched on the labels the
+    rendered overlay gives them: the servers running the middleware, on the vLLM port (a prefill pod also
+    on NIXL's: the KV transfer); where the pod is in an InferencePool, its endpoint picker, on the pool's
+    target port only (it scrapes /metrics). No other pod is selected: clients, the gateway and the
+    kubelet keep reaching the PD servers and the picker."""
+    _, objects = rendered
+    policies = [
+        p for p in of_kind(objects, "NetworkPolicy").values() if "Ingress" in p["spec"].get("policyTypes", [])
+    ]
+    deployments = of_kind(objects, "Deployment")
+    pd = {d["metadata"]["name"] for d in middleware_servers(objects)}
+    called = called_servers(objects)
+    for deployment in called:
+        name, labels = deployment["metadata"]["name"], pod_labels(deployment)
+        chosen = [p for p in policies if label_selector_matches(p["spec"]["podSelector"], labels)]
+        assert chosen, f"no NetworkPolicy isolates {name}"
+        pickers = pickers_of(objects, deployment)
+        ports_of: dict[str, set[int] | None] = {}
+        for rule in (rule for policy in chosen for rule in policy["spec"].get("ingress", [])):
+            assert rule.get("from"), f"{name}: a rule without from admits every source"
+            for peer in rule["from"]:
+                # Pods of this namespace only: no ipBlock, no namespaceSelector.
+                assert set(peer) == {"podSelector"}, f"{name}: {peer}"
+                matched = {
+                    n
+                    for n, d in deployments.items()
+                    if label_selector_matches(peer["podSelector"], pod_labels(d))
+                }
+                assert matched, f"{name}: a peer that selects no pod ({peer})"
+                assert matched <= pd | pickers, f"{name} admits {matched - pd - pickers}"
+                for caller in matched:
+                    ports, already = admitted_ports(rule, deployment), ports_of.get(caller, set())
+                    ports_of[caller] = None if ports is None or already is None else already | ports
+        assert set(ports_of) == pd | pickers, (name, set(ports_of), pd | pickers)
+        vllm = vllm_port(deployment)
+        named = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+        for caller, ports in ports_of.items():
+            if caller in pickers:
+                [pool] = [
+                    pool
+                    for pool in of_kind(objects, "InferencePool").values()
+                    if selects(pool["spec"]["selector"]["matchLabels"], pod_labels(deployment))
+                ]
+                assert ports == {port["number"] for port in pool["spec"]["targetPorts"]}, (name, caller)
+            elif pod_labels(deployment)[ROLE_LABEL] == "encode":
+                assert ports == {vllm}, (name, caller, ports)
+            else:  # prefill: vLLM's port, NIXL's side channel and UCX's TCP listener (any port)
+                assert ports is None or {vllm, named["nixl"]} <= ports, (name, caller, ports)
+    # Nothing else is isolated: the servers running the middleware, the picker, the cleanup job.
+    isolated = {
+        where
+        for where, labels in pod_template_labels(objects)
+        if any(label_selector_matches(p["spec"]["podSelector"], labels) for p in policies)
+    }
+    assert isolated == {f"Deployment/{d['metadata']['name']}" for d in called}, isolated
+    # The check itself: a policy on a label the E/P/D overlay replaces (the decode pods' role) selects
+    # nothing there; one without a selector selects everything.
+    assert not label_selector_matches({"matchLabels": {ROLE_LABEL: "prefill-decode"}}, {ROLE_LABEL: "decode"})
+    assert label_selector_matches({}, {ROLE_LABEL: "decode"})
+    assert not label_selector_matches(
+        {"matchExpressions": [{"key": ROLE_LABEL, "operator": "In", "values": ["encode"]}]}, {}
+    )
 
 
 def _needs(overlay: str) -> dict[str, str]:
