@@ -17,7 +17,8 @@ One request's failed calls are judged together, in a :class:`Ledger`:
     egress is down says the same of every URL. So the first such failure counts against nobody
     (``media``) and the call is tried on another server; the same failure there is the request's, a
     success there was the first server's trouble; with no other server to try, the request's;
-  - 401 or 403 to the client's own key (``forward_authorization``);
+  - 401, 403 or 429 to the client's own key (``forward_authorization``), on two servers: one server's
+    key list may not be rolled out yet, so the first such answer is tried on another server;
   - the same failure (status and vLLM's message, or a timeout) on a second server, which proves healthy
     on its own (its ``/health`` and a canary encode of a tiny built-in image, :mod:`._canary`; a proof
     is good for a while): two servers broken the same way are not mistaken for a bad request.
@@ -29,6 +30,13 @@ One request's failed calls are judged together, in a :class:`Ledger`:
 
 Even then a server leaves the pool only once ejection is confirmed independently of the requests
 (:func:`._probes.confirm_failing`: its ``/health`` and a canary encode of a tiny built-in image).
+
+**In the other direction**, a "client fault" answer (a 4xx rejection, 501, a refused client key) is one
+server's word: a broken server can say it of every request. It is *doubtable* (:attr:`Verdict.doubtable`)
+and the pool decides whether to doubt it (:mod:`._failover`: the server's share of such answers stands
+out, or its canary fails). A doubted answer is tried on another server (:meth:`Ledger.doubt`): the same
+answer there is the request's (and vindicates the first server, :attr:`Verdict.vindicate`); a success
+there says the first server's answer was its own (:meth:`Ledger.contradicted`: ``unmasked``, counted).
 """
 
 from __future__ import annotations
@@ -52,17 +60,34 @@ if TYPE_CHECKING:
 
 __all__ = ["BLAMES", "Ledger", "Verdict"]
 
+# The evidence an UpstreamRejected made from one server's 4xx carries (errors.UpstreamRejected's default).
+_SERVERS_ANSWER = "the server's answer"
+
 # Every verdict a failed call can get, as metrics and the status page count them. ``retracted``: a
 # failure first counted against a server, taken back once the same request failed the same way on another.
 # ``media``: a fetch of the request's own media failed on one server, counted against nobody, tried on
 # another. (``suspect`` is a verdict on the way, never counted: :meth:`Ledger.settle` turns it into one of
 # these.)
-BLAMES = ("server", "request", "credentials", "capped", "none", "retracted", "media")
+# ``doubted``: a client-fault answer of a server not trusted (its share of them stands out), counted
+# against nobody yet and tried on another server; ``unmasked``: a doubted answer another server
+# contradicted by serving the request: the first server's own failure, counted against it.
+BLAMES = (
+    "server",
+    "request",
+    "credentials",
+    "capped",
+    "none",
+    "retracted",
+    "media",
+    "doubted",
+    "unmasked",
+)
 
 # vLLM answers 501 only for a NotImplementedError, raised by what the request asks for.
 _NOT_IMPLEMENTED = 501
-# Statuses vLLM's AuthenticationMiddleware (and a proxy in front of it) gives to a key it refuses.
-_CREDENTIAL_STATUSES = frozenset({401, 403})
+# Statuses vLLM's AuthenticationMiddleware (and a proxy in front of it) gives to a key it refuses, and
+# a gateway's answer to a key over its quota.
+_CREDENTIAL_STATUSES = frozenset({401, 403, 429})
 # A URL's scheme and authority sit in its first bytes; a long one is cut to this before it is parsed.
 _URL_HEAD = 2048
 
@@ -70,11 +95,15 @@ _URL_HEAD = 2048
 class Verdict(NamedTuple):
     """Who is at fault for one failed call (one of :data:`BLAMES`), and the error that stands for it:
     the failure itself, or the request's own answer when the request is at fault (never retried).
-    ``retract``: the server whose failure was counted for this request and is now taken back."""
+    ``retract``: the server whose failure was counted for this request and is now taken back.
+    ``doubtable``: the request's fault on one server's word alone (:meth:`Ledger.doubt` may try it on
+    another). ``vindicate``: a server whose doubted answer this one confirmed: it told the truth."""
 
     blame: str
     error: UpstreamError
     retract: str | None = None
+    doubtable: bool = False
+    vindicate: str | None = None
 
 
 class _Failed(NamedTuple):
@@ -86,16 +115,25 @@ class _Failed(NamedTuple):
     counted: bool
 
 
+class _Doubted(NamedTuple):
+    role: str
+    server: str
+    status: int
+    # The answer as the server gave it: what the client gets if no other server says otherwise.
+    answer: UpstreamError
+
+
 class Ledger:
     """One request's failed calls, judged together across its encoder and prefill calls. Made per
     request; every call of it runs on one event loop, so it needs no lock."""
 
-    __slots__ = ("_failed", "_hosts", "_media", "credentials_forwarded")
+    __slots__ = ("_doubted", "_failed", "_hosts", "_media", "credentials_forwarded")
 
     def __init__(self, media: Sequence[MediaPart] = (), *, credentials_forwarded: bool = False) -> None:
         self._media = media
         self._hosts: frozenset[str] | None = None
         self._failed: list[_Failed] = []
+        self._doubted: list[_Doubted] = []
         # The calls carry the client's own Authorization header (forward_authorization).
         self.credentials_forwarded = credentials_forwarded
 
@@ -104,12 +142,16 @@ class Ledger:
         same way on another server; whether that makes it the request's fault is for :meth:`settle`
         to say, once the server is known to be healthy or not on its own."""
         if not failure.retryable:
-            return Verdict("request", failure)
+            said = _said_by_server(failure)
+            if said is None:
+                return Verdict("request", failure)
+            return self._agreed(server, Verdict("request", failure, doubtable=True), said)
         if not failure.blames_server:
             return Verdict("none", failure)
         at_fault = self._request_at_fault(failure)
         if at_fault is not None:
-            return at_fault
+            assert isinstance(failure, UpstreamStatusError)
+            return self._agreed(server, at_fault, failure.status_code)
         signature = _signature(failure)
         again = signature is not None and any(
             earlier.role == failure.role and earlier.server != server and earlier.signature == signature
@@ -124,13 +166,53 @@ class Ledger:
             return Verdict("suspect", failure)
         return self._count(server, failure, signature)
 
+    def doubt(self, server: str, verdict: Verdict) -> Verdict:
+        """A doubtable verdict the pool does not trust: the call goes to another server, nobody counted
+        yet (``credentials`` for a refused client key, else ``doubted``)."""
+        answer = verdict.error
+        status = answer.status if isinstance(answer, UpstreamRejected) else 0
+        self._doubted.append(_Doubted(answer.role, server, status, answer))
+        retried = UpstreamStatusError(server, status, _detail(answer), role=answer.role)
+        return Verdict("credentials" if verdict.blame == "credentials" else "doubted", retried)
+
+    def contradicted(self, role: str) -> list[tuple[str, Verdict]]:
+        """A call of ``role`` succeeded: each server whose answer for it was doubted, and its verdict
+        now (``unmasked``: its own failure, counted; ``capped`` where this request already counted
+        one)."""
+        found = [entry for entry in self._doubted if entry.role == role]
+        if not found:
+            return []
+        self._doubted = [entry for entry in self._doubted if entry.role != role]
+        verdicts = []
+        for entry in found:
+            failure = UpstreamStatusError(entry.server, entry.status, _detail(entry.answer), role=role)
+            counted = self._count(entry.server, failure, None)
+            if counted.blame == "server":
+                counted = counted._replace(blame="unmasked")
+            verdicts.append((entry.server, counted))
+        return verdicts
+
     def final(self, failure: UpstreamError) -> UpstreamError:
-        """The error a call answers with when no server is left to try after ``failure``: the request's
-        own answer where it is a failed fetch of the request's media (no other server said otherwise),
+        """The error a call answers with when no server is left to try after ``failure``: a doubted
+        answer no other server contradicted (the request's, as its server said); the request's own
+        answer where it is a failed fetch of the request's media (no other server said otherwise);
         else ``failure`` itself."""
+        for entry in self._doubted:
+            if entry.role == failure.role:
+                return entry.answer
         if isinstance(failure, UpstreamStatusError) and self._fetch_failed(failure):
             return _rejected(failure, failure.detail, "the request's own media could not be fetched")
         return failure
+
+    def _agreed(self, server: str, verdict: Verdict, status: int) -> Verdict:
+        """``verdict`` on a client-fault answer: no longer doubtable where another server's doubted
+        answer said the same (the request's fault, by two servers), which vindicates that server."""
+        role = verdict.error.role
+        for index, entry in enumerate(self._doubted):
+            if entry.role == role and entry.server != server and entry.status == status:
+                del self._doubted[index]
+                return verdict._replace(doubtable=False, vindicate=entry.server)
+        return verdict
 
     def settle(self, server: str, failure: UpstreamError, *, server_healthy: bool) -> Verdict:
         """The verdict on a ``suspect`` failure: the request's, where ``server`` is healthy on its own
@@ -157,10 +239,12 @@ class Ledger:
             return None
         status, detail = failure.status_code, failure.detail
         if status in _CREDENTIAL_STATUSES and self.credentials_forwarded:
-            said = detail or VllmError("the client's API key was refused")
-            return Verdict("credentials", _rejected(failure, said, "the client's own key, forwarded"))
+            said = detail or VllmError(_REFUSED_KEY.get(status, "the client's API key was refused"))
+            answer = _rejected(failure, said, "the client's own key, forwarded")
+            return Verdict("credentials", answer, doubtable=True)
         if status == _NOT_IMPLEMENTED:
-            return Verdict("request", _rejected(failure, detail, "vLLM's answer to what it cannot do"))
+            answer = _rejected(failure, detail, "vLLM's answer to what it cannot do")
+            return Verdict("request", answer, doubtable=True)
         return None
 
     def _fetch_failed(self, failure: UpstreamError) -> bool:
@@ -180,6 +264,23 @@ class Ledger:
             return False
         said = message.lower()
         return any(f"host {host}:" in said or f"://{host}" in said for host in self._hosts)
+
+
+_REFUSED_KEY = {429: "the client's API key is over its quota"}
+
+
+def _said_by_server(failure: UpstreamError) -> int | None:
+    """The status of a rejection that is one server's own word about the request (its 4xx), else None
+    (a verdict already reached on the evidence of several servers, or nothing the server said)."""
+    if isinstance(failure, UpstreamRejected) and failure.evidence == _SERVERS_ANSWER:
+        return failure.status_code
+    return None
+
+
+def _detail(answer: UpstreamError) -> VllmError | None:
+    if isinstance(answer, UpstreamRejected):
+        return VllmError(answer.message, answer.vllm_type, answer.param)
+    return None
 
 
 def _signature(failure: UpstreamError) -> tuple[object, ...] | None:

@@ -13,7 +13,7 @@ import base64
 import functools
 import struct
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ._handles import match_reply
@@ -63,30 +63,41 @@ _ITEM = MediaItem(
 
 
 class Canary(NamedTuple):
-    """The canary call: each try of it (body and reading), and the headers it is sent with."""
+    """The canary call for encoders that serve ``model``: an image only, none of a client's options,
+    its answer read as every encoder answer is (a handle for the item; under ``storage``, the embedding
+    where the local connector would look). ``headers``: the operator's key for it, never a client's (a
+    client's key may be refused or throttled, which says nothing of the server). Made for every request
+    that may need it, so its body is built only when a confirmation asks."""
 
-    attempt: Callable[[], Attempt[None]]
+    model: str
+    storage: str | None
     headers: Mapping[str, str]
+
+    def attempt(self, model: str | None = None) -> Attempt[None]:
+        """One try of the canary, under ``model`` where the server serves another of this server's
+        names than the request's."""
+        storage = self.storage
+
+        def read(server: str, reply: dict[str, Any]) -> None:
+            handles = match_reply(server, (_ITEM,), reply.get(EC_TRANSFER_PARAMS))
+            if not handles:
+                raise UpstreamBadReply(server, "the canary image got no handle")
+            if storage is not None:
+                for handle in handles.values():
+                    if not embedding_stored(storage, handle.mm_hash):
+                        raise UpstreamBadReply(server, "the canary's embedding is not in the shared storage")
+
+        return Attempt(_body(model or self.model), read)
+
+    @property
+    def carries_key(self) -> bool:
+        return "authorization" in self.headers
 
 
 def canary(model: str, storage: str | None, authorization: str | None) -> Canary:
-    """The canary call for encoders that serve ``model``: an image only, none of a client's options,
-    its answer read as every encoder answer is (a handle for the item; under ``storage``, the embedding
-    where the local connector would look). ``authorization``: the key the request's own calls carry
-    (the client's, under ``forward_authorization``): the encoders just took it, and may take no other.
-    Made for every request that may need it, so its body is built only when a confirmation asks."""
-    headers = {"authorization": authorization} if authorization is not None else {}
-
-    def read(server: str, reply: dict[str, Any]) -> None:
-        handles = match_reply(server, (_ITEM,), reply.get(EC_TRANSFER_PARAMS))
-        if not handles:
-            raise UpstreamBadReply(server, "the canary image got no handle")
-        if storage is not None:
-            for handle in handles.values():
-                if not embedding_stored(storage, handle.mm_hash):
-                    raise UpstreamBadReply(server, "the canary's embedding is not in the shared storage")
-
-    return Canary(lambda: Attempt(_body(model), read), headers)
+    """The canary for encoders that serve ``model``; ``authorization``: the operator's key for it
+    (:attr:`~epd_middleware.EPDConfig.canary_authorization`)."""
+    return Canary(model, storage, {"authorization": authorization} if authorization is not None else {})
 
 
 @functools.lru_cache(maxsize=16)

@@ -107,6 +107,7 @@ class _Record(Protocol):
 
     model: str
     served: str
+    names: frozenset[str]
 
 
 class Servers(Protocol):
@@ -200,6 +201,7 @@ class ModelGate:
             health = pool.record(url)
             changed = (health.model, health.served) != (result.state, result.served)
             health.model, health.served = result.state, result.served
+            health.names = frozenset(name for name, _ in result.models)
             if result.state == "unreachable":
                 # As a failed call: a server that keeps not answering is ejected, and not asked again
                 # by every request while it is.
@@ -209,11 +211,40 @@ class ModelGate:
                 if changed:
                     pool.export_health(url)
             if changed:
-                _log_verdict(pool.role, url, result, expectation)
+                _log_verdict(pool.role, url, result, expectation, self.unserved_aliases(url))
 
         async with anyio.create_task_group() as group:
             for url in dict.fromkeys(urls):
                 group.start_soon(one, url)
+
+    def own_name(self, model: str) -> str:
+        """A name of this server's own for a call that must not depend on a client's (the canary):
+        ``model`` where this server answers to it, else one of its names; ``model`` where they are not
+        known. A client's request for a name no server serves is answered 404 by every encoder: the
+        canary must not ask for it too, and take that for the servers' failure."""
+        expectation = self.expectation
+        if expectation is None or model in expectation.names or not expectation.names:
+            return model
+        return sorted(expectation.names)[0]
+
+    def name_for(self, server: str, model: object) -> str | None:
+        """The model name to send ``server`` for a request to ``model``, where it does not serve that
+        name but serves another name this server answers to (an alias of PD's ``--served-model-name``
+        it lacks: vLLM would answer 404 to every request for it); None: send ``model`` as it is."""
+        expectation, health = self.expectation, self._pool.known(server)
+        if expectation is None or health is None or not health.names or model in health.names:
+            return None
+        if not isinstance(model, str) or model not in expectation.names:
+            return None  # not one of this server's names (a LoRA adapter's, say): the server judges it
+        served = sorted(expectation.names & health.names)
+        return served[0] if served else None
+
+    def unserved_aliases(self, server: str) -> frozenset[str]:
+        """The names this server answers to that ``server`` (a match) does not serve."""
+        expectation, health = self.expectation, self._pool.known(server)
+        if expectation is None or health is None or health.model != "ok":
+            return frozenset()
+        return expectation.names - health.names
 
     def mismatched(self) -> list[tuple[str, str]]:
         """Members that answered with another model, and what they serve."""
@@ -223,9 +254,21 @@ class ModelGate:
         ]
 
 
-def _log_verdict(role: str, url: str, result: ModelCheck, expectation: Expectation | None) -> None:
+def _log_verdict(
+    role: str, url: str, result: ModelCheck, expectation: Expectation | None, unserved: frozenset[str]
+) -> None:
     wanted = expectation.describe() if expectation else "?"
-    if result.state == "ok":
+    if result.state == "ok" and unserved:
+        logger.warning(
+            "%s %s serves %s but not %s, which this server also answers to: requests for %s are sent "
+            "to it under a name it serves; give every server the same --served-model-name",
+            role,
+            url,
+            result.served,
+            ", ".join(sorted(unserved)),
+            "them" if len(unserved) > 1 else "it",
+        )
+    elif result.state == "ok":
         logger.info("%s %s serves %s", role, url, result.served)
     elif result.state == "mismatch":
         logger.warning(

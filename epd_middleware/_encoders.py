@@ -29,9 +29,11 @@ from ._protocol import (
     EC_ITEM_TRANSFER_ID,
     EC_ITEMS,
     EC_TRANSFER_PARAMS,
+    MODEL,
     embedding_stored,
     example_connector_file,
 )
+from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface
 from ._upstream import Attempt, DeadlinePassed
 from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
@@ -82,6 +84,8 @@ class EncodeJob(NamedTuple):
     raw_blocked: str | None = None
     # vLLM traces: each call gets its span, and passes the trace on (_tracing.py).
     traced: bool = False
+    # Each item's vision tokens where known (_placement.item_tokens): the work its call asks for.
+    work: Mapping[ItemKey, int | None] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,19 +112,22 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
     failures: dict[int, UpstreamError] = {}
     rejected: list[UpstreamError] = []
     request_of = _requests(job)
+    model = text_of(job.request.fields.get(MODEL))
 
     async def run(index: int, siblings: anyio.CancelScope | None) -> None:
         call = calls[index]
 
-        def attempt() -> Attempt[dict[ItemKey, Handle]]:
-            request = request_of(call)
+        work = _work(call, job.work)
+
+        def attempt(server: str) -> Attempt[dict[ItemKey, Handle]]:
+            request = request_of(call, pool.models.name_for(server, model))
 
             def read(server: str, reply: dict[str, Any]) -> dict[ItemKey, Handle]:
                 handles = _handles(server, call, request, reply, job)
                 answered[index] = server
                 return handles
 
-            return Attempt(request.body, read)
+            return Attempt(request.body, read, work)
 
         try:
             results[index] = await failover.call(
@@ -169,25 +176,48 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
     return EncodeOutcome(handles, failed, tuple(answered))
 
 
-def _requests(job: EncodeJob) -> Callable[[EncoderCall], EncoderRequest]:
-    """How each call's body is made, per try."""
+def _requests(job: EncodeJob) -> Callable[[EncoderCall, str | None], EncoderRequest]:
+    """How each call's body is made, per try: under ``model`` where the encoder serves another of this
+    server's names than the request's (:meth:`~._compat.ModelGate.name_for`)."""
     surface, request, push_to, extra = job.surface, job.request, job.push_to, job.extra_fields
-    if push_to is None:
-        # Built once: every try of a call sends the same body.
-        built = {
-            id(call): EncoderRequest(surface.encoder_body(request, _parts(call), None, extra))
-            for call in job.calls
-        }
-        return lambda call: built[id(call)]
 
-    def pushed(call: EncoderCall) -> EncoderRequest:
+    def fields(model: str | None) -> Mapping[str, Any]:
+        return extra if model is None else {**extra, MODEL: model}
+
+    if push_to is None:
+        # Built once per name: every try of a call sends the same body.
+        built: dict[tuple[int, str | None], EncoderRequest] = {}
+
+        def stored(call: EncoderCall, model: str | None) -> EncoderRequest:
+            key = (id(call), model)
+            made = built.get(key)
+            if made is None:
+                made = built[key] = EncoderRequest(
+                    surface.encoder_body(request, _parts(call), None, fields(model))
+                )
+            return made
+
+        return stored
+
+    def pushed(call: EncoderCall, model: str | None) -> EncoderRequest:
         # A fresh transfer id per item and per try: a push the failed encoder may have begun must never
         # be confused with the retry's.
         ids = tuple(uuid_module.uuid4().hex for _ in call.items)
         params = {EC_CONSUMER_ZMQ: push_to, EC_ITEMS: [{EC_ITEM_TRANSFER_ID: tid} for tid in ids]}
-        return EncoderRequest(surface.encoder_body(request, _parts(call), params, extra), ids)
+        return EncoderRequest(surface.encoder_body(request, _parts(call), params, fields(model)), ids)
 
     return pushed
+
+
+def _work(call: EncoderCall, work: Mapping[ItemKey, int | None]) -> int | None:
+    """The vision tokens ``call`` asks for, where every item's are known."""
+    total = 0
+    for item in call.items:
+        tokens = work.get((item.modality, item.uuid))
+        if tokens is None:
+            return None
+        total += tokens
+    return total
 
 
 def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:

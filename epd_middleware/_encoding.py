@@ -81,7 +81,8 @@ class EncodeStage:
         found = self._items(surface, request, context)
         reused = self._reused(surface, request, context, found)
         to_encode = tuple(item for item in found.items if (item.modality, item.uuid) not in reused.handles)
-        placed = self._placed(request, context, found, to_encode)
+        tokens = self._tokens(request, context, found, to_encode)
+        placed = self._placed(context, tokens, to_encode)
         if placed.local:
             to_encode = tuple(item for item in to_encode if item.modality not in placed.local)
         calls = self._plan(to_encode, context, bool(placed.local))
@@ -93,7 +94,7 @@ class EncodeStage:
         }
         with stage_span(context.host.traces, "epd.encode", attributes) as span:
             outcome = await encode(
-                self.pool, context.transport, self._job(surface, request, context, found, calls)
+                self.pool, context.transport, self._job(surface, request, context, found, calls, tokens)
             )
             record(
                 span,
@@ -127,19 +128,22 @@ class EncodeStage:
         )
         return Encoded(fields, note, pushed)
 
-    def _placed(
+    def _tokens(
         self, request: ParsedRequest, context: RequestContext, found: _Items, to_encode: tuple[MediaItem, ...]
+    ) -> dict[ItemKey, int | None]:
+        """Each item's vision tokens where its header tells them, under adaptive placement (which
+        weighs them, and compares an encoder's calls by them); else none."""
+        if self.placement.policy.mode != "adaptive" or not to_encode:
+            return {}
+        return item_tokens(request.media, found.uuids, request.fields, context.host)
+
+    def _placed(
+        self, context: RequestContext, tokens: Mapping[ItemKey, int | None], to_encode: tuple[MediaItem, ...]
     ) -> Decision:
         """Where the items still to encode are encoded, per modality (:mod:`._placement`)."""
-        placement, host = self.placement, context.host
-        tokens = (
-            item_tokens(request.media, found.uuids, request.fields, host)
-            if placement.policy.mode == "adaptive" and to_encode
-            else {}
-        )
         route = context.route.encoders
         encoders = route or self.pool.available(anyio.current_time())
-        return placement.decide(to_encode, tokens, host, encoders)
+        return self.placement.decide(to_encode, tokens, context.host, encoders)
 
     def _items(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> _Items:
         items, uuids = media_items(
@@ -235,6 +239,7 @@ class EncodeStage:
         context: RequestContext,
         found: _Items,
         calls: tuple[EncoderCall, ...],
+        tokens: Mapping[ItemKey, int | None],
     ) -> EncodeJob:
         return EncodeJob(
             surface,
@@ -248,9 +253,10 @@ class EncodeStage:
             stop_at_first_failure=not self._local(context),
             extra_fields=context.scheduling.encoder_fields,
             ledger=context.ledger,
-            canary=_canary_of(request, context),
+            canary=self._canary(request, context),
             raw_blocked=context.host.local_encoding_blocker,
             traced=context.host.traces,
+            work=tokens,
         )
 
     def _left_to_the_engine(
@@ -318,13 +324,14 @@ class EncodeStage:
                     self.reuse.forget((reuse_keys[key],))
         return frozenset(unconfirmed)
 
-
-def _canary_of(request: ParsedRequest, context: RequestContext) -> Canary | None:
-    """The canary that confirms an encoder's ejection for this request's calls: an image of the
-    request's model, where that is a name, with the key its calls carry. It carries no push address, so
-    under Mooncake an encoder encodes it and pushes nothing (``mooncake/scheduler.py``
-    ``_prepare_push_spec`` skips a request without ``consumer_zmq``)."""
-    model = text_of(request.fields.get(MODEL))
-    if not isinstance(model, str) or not model:
-        return None
-    return canary(model, context.host.storage, context.authorization)
+    def _canary(self, request: ParsedRequest, context: RequestContext) -> Canary | None:
+        """The canary that proves an encoder healthy on its own for this request's calls: an image of
+        the request's model where this server answers to that name (else of one of its names), with the
+        operator's key for it (never the client's, which its calls may carry). It carries no push
+        address, so under Mooncake an encoder encodes it and pushes nothing (``mooncake/scheduler.py``
+        ``_prepare_push_spec`` skips a request without ``consumer_zmq``)."""
+        model = text_of(request.fields.get(MODEL))
+        if not isinstance(model, str) or not model:
+            return None
+        name = self.pool.models.own_name(model)
+        return canary(name, context.host.storage, self.config.canary_authorization)

@@ -17,6 +17,7 @@ import anyio.lowlevel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._asgi import first_header, replay, send_error
+from ._context import RequestContext
 from ._logs import logger, request_scope
 from ._pipeline import Pipeline
 from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
@@ -136,6 +137,15 @@ class Exchange:
             route=self.route,
             surface=self.surface,
         )
+        # From before its placement to the engine's last byte: a request just handed to the engine is
+        # not in the engine's count yet (_placement.py).
+        with pipeline.placement.unfinished():
+            await self._prepare_and_run(request, caller, context)
+
+    async def _prepare_and_run(
+        self, request: ParsedRequest, caller: _CallerWatch, context: RequestContext
+    ) -> None:
+        pipeline, headers, request_id = self.pipeline, self.scope["headers"], self.request_id
         retries = pipeline.config.engine_retries
         for attempt in range(retries + 1):
             try:

@@ -28,7 +28,9 @@ a push of every item): there every modality goes remote, and the status page say
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -71,21 +73,43 @@ class Decision(NamedTuple):
 
 
 _REMOTE = Decision(frozenset(), {})
+# How long an encoder's slowdown holds without a call renewing it, where health probes are off.
+_SLOWDOWN_HOLDS_S = 5.0
 
 
 class Placement:
     """Decides, per request, which modalities stay raw for the local engine. One per middleware."""
 
-    __slots__ = ("_policy", "_pool", "_stats")
+    __slots__ = ("_policy", "_pool", "_stats", "_unfinished")
 
     def __init__(self, policy: PlacementPolicy, pool: ServerPool, stats: Stats) -> None:
         self._policy = policy
         self._pool = pool
         self._stats = stats
+        # Requests of this process between the start of their encode stage and the end of the engine's
+        # answer (:meth:`unfinished`): those handed to the engine a moment ago are not in its count yet.
+        self._unfinished = 0
 
     @property
     def policy(self) -> PlacementPolicy:
         return self._policy
+
+    @contextmanager
+    def unfinished(self) -> Iterator[None]:
+        """The span of one request this process places work of: from before its placement to the end of
+        the engine's answer. A burst at an idle PD must not see it idle for every request of the burst
+        (the engine counts a request only once it has it)."""
+        self._unfinished += 1
+        try:
+            yield
+        finally:
+            self._unfinished -= 1
+
+    def _pd_load(self, host: Host) -> int | None:
+        """PD's load as placement reads it: the engine's unfinished requests, or the requests this
+        process has placed and not seen finish besides the one deciding now, whichever is more."""
+        load = host.unfinished_requests()
+        return None if load is None else max(load, self._unfinished - 1)
 
     def decide(
         self,
@@ -107,7 +131,7 @@ class Placement:
             why = dict.fromkeys(modalities, ("remote", "pd_cannot_encode"))
         elif policy.mode == "local":
             why = dict.fromkeys(modalities, ("local", "policy"))
-        elif (load := host.unfinished_requests()) is None:
+        elif (load := self._pd_load(host)) is None:
             why = dict.fromkeys(modalities, ("remote", "pd_load_unknown"))
         elif load < policy.pd_idle_load:
             why = dict.fromkeys(modalities, ("local", "pd_idle"))
@@ -121,7 +145,7 @@ class Placement:
                 size = _total(
                     tokens[(item.modality, item.uuid)] for item in items if item.modality == modality
                 )
-                if size is not None and size <= policy.small_tokens:
+                if size is not None and 0 < size <= policy.small_tokens:  # 0: never for size
                     why[modality] = ("local", "small")
                 elif saturated:
                     why[modality] = ("local", "encoders_saturated")
@@ -137,11 +161,14 @@ class Placement:
         if not encoders:
             return False
         policy, pool = self._policy, self._pool
+        # A slowdown no call renewed lately is no verdict: an encoder placement keeps idle would never
+        # be measured again (the next request goes to it, and measures).
+        fresh_since = time.monotonic() - (pool.policy.health_check_interval or _SLOWDOWN_HOLDS_S)
         for url in encoders:
             health = pool.known(url)
             if health is None:
                 return False
-            slow = health.slowdown >= policy.encoder_slowdown
+            slow = health.slowdown >= policy.encoder_slowdown and health.slowdown_at >= fresh_since
             load = health.server_load
             busy = health.capacity.in_flight >= policy.encoder_busy_calls or (
                 load is not None and load >= policy.encoder_busy_calls
@@ -164,6 +191,7 @@ class Placement:
                 "encoder_busy_calls": policy.encoder_busy_calls,
             },
             "pd_load": host.unfinished_requests(),
+            "placed_unfinished": self._unfinished,
             "pd_queued_tokens": host.queued_tokens(),
             "pd_step_tokens": host.step_tokens,
             "encoders": {
@@ -216,7 +244,11 @@ def item_tokens(
         if key in tokens:
             continue
         size = image_size(part.url) if part.modality == "image" and part.url is not None else None
-        tokens[key] = vision_tokens(*size, side, *bounds) if size is not None else None
+        try:
+            tokens[key] = vision_tokens(*size, side, *bounds) if size is not None else None
+        except (OverflowError, ValueError):
+            # Pixel bounds no float holds (min_pixels 10**400): not known here; vLLM answers them 400.
+            tokens[key] = None
     return tokens
 
 
@@ -238,12 +270,12 @@ def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
-def vision_tokens(width: int, height: int, side: int, min_pixels: int, max_pixels: int) -> int:
+def vision_tokens(width: int, height: int, side: int, min_pixels: int, max_pixels: int) -> int | None:
     """Vision tokens of a ``width`` x ``height`` image for a model with one token per ``side`` x ``side``
     pixels, resized as Qwen2-VL's ``smart_resize`` does (each edge to a multiple of ``side``, the area
     within the pixel bounds)."""
     if width <= 0 or height <= 0:
-        return 0
+        return None  # no image Pillow decodes: its size is not known
     h = max(side, round(height / side) * side)
     w = max(side, round(width / side) * side)
     if h * w > max_pixels:

@@ -16,6 +16,7 @@ like members, and are forgotten once idle.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,16 @@ OTHER_SERVERS = "other"
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
 # forgotten: bounds the memory a stream of distinct targets can take.
 _MAX_STRANGERS = 1024
+# How much each earlier answer weighs against the next in a server's share of "client fault" answers
+# (about the last 10 answers count), the share at which it is doubted, and by how much it must exceed
+# the other members' mean share to stand out from them.
+_ANSWER_DECAY = 0.9
+_DOUBTED_SHARE = 0.5
+_STANDS_OUT_BY = 0.25
+# A share over fewer answers than this (decayed: about the last four) is noise, no standing out.
+_FEW_ANSWERS = 3.0
+# How long a vindication holds where health probes are off (as a proof of health does).
+_VINDICATION_HOLDS_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +93,8 @@ class Health:
     # Whether it serves this server's model (_compat.py): unchecked, ok, mismatch, unreachable.
     model: str = "unchecked"
     served: str = ""
+    # The model names it serves (GET /v1/models), where asked.
+    names: frozenset[str] = frozenset()
     last_failure: str = ""
     # Its ejection is being confirmed (_probes.confirm_failing): the calls that fail meanwhile only count.
     confirming: bool = False
@@ -97,11 +110,20 @@ class Health:
     kept: int = 0
     # Its successful calls' recent latency (a moving average, in seconds), and how much slower than the
     # fastest call of their size they have been lately (a moving average of the ratio): the waiting it
-    # adds now (_placement.py). Calls compare within a size class (their body's bytes, by powers of
-    # two), so a large call is never taken for a slow small one.
+    # adds now (_placement.py). Calls compare within a size class (the vision tokens they ask for, by
+    # powers of two), so a large call is never taken for a slow small one.
     latency: float = 0.0
     slowdown: float = 0.0
+    # When its slowdown was last measured (time.monotonic()): a verdict no call renews goes stale.
+    slowdown_at: float = 0.0
     fastest: dict[int, float] = field(default_factory=dict)
+    # Its recent answers (decayed counts): all of them, and those that said the request was at fault
+    # (a 4xx, 501). A server whose share of the latter stands out may be hiding its own failure behind
+    # "the client's fault" (_failover.py doubts it); until ``vindicated_until`` such answers of its are
+    # trusted again: another server said the same of the request.
+    answers: float = 0.0
+    rejections: float = 0.0
+    vindicated_until: float = 0.0
     # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
     server_load: int | None = None
     # False once it answered that it tracks no load: not asked again.
@@ -254,16 +276,69 @@ class ServerPool:
 
     # Health ------------------------------------------------------------------------------------------
 
-    def record_latency(self, url: str, seconds: float, size: int = 0) -> None:
-        """A successful call's duration and its body's ``size`` in bytes: the moving averages (the last
-        calls weigh most) of its latency and of its slowdown over the fastest call of its size class."""
+    def record_latency(self, url: str, seconds: float, work: int | None = None) -> None:
+        """A successful call's duration and the ``work`` it asked for (an encoder call's vision tokens):
+        the moving averages (the last calls weigh most) of its latency and, where its work is known, of
+        its slowdown over the fastest call of its size class (the work, by powers of two). A call's
+        bytes say nothing of its work (a flat 1000 x 1000 PNG is a few kilobytes), so a call of unknown
+        work does not weigh in its slowdown."""
         health = self.record(url)
         health.latency = seconds if not health.latency else 0.8 * health.latency + 0.2 * seconds
-        size_class = size.bit_length()
+        if work is None:
+            return
+        health.slowdown_at = time.monotonic()
+        size_class = work.bit_length()
         fastest = min(health.fastest.get(size_class, seconds), seconds)
         health.fastest[size_class] = fastest
         ratio = seconds / fastest if fastest > 0 else 1.0
         health.slowdown = ratio if not health.slowdown else 0.8 * health.slowdown + 0.2 * ratio
+
+    def answered(self, url: str, *, rejected: bool) -> None:
+        """One answer of ``url`` to a call: ``rejected`` when it said the request was at fault."""
+        health = self.record(url)
+        health.answers = health.answers * _ANSWER_DECAY + 1.0
+        health.rejections = health.rejections * _ANSWER_DECAY + rejected
+
+    def rejection_share(self, url: str) -> float | None:
+        """The share of ``url``'s recent answers that said the request was at fault (None: no answer
+        yet)."""
+        health = self._health.get(url)
+        if health is None or health.answers <= 0:
+            return None
+        return health.rejections / health.answers
+
+    def doubts(self, url: str, now: float) -> tuple[bool, bool]:
+        """Whether a "client fault" answer of ``url`` is to be doubted: its share of them is at least
+        half of a few answers or more (and it was not vindicated lately), which is worth its canary (one
+        a while); and whether that share also stands out from the other members' (their mean, over a
+        few answers each), which is worth a second server's call."""
+        share = self.rejection_share(url)
+        if share is None or share < _DOUBTED_SHARE or self.record(url).vindicated_until > now:
+            return False, False
+        if self.record(url).answers < _FEW_ANSWERS:
+            return False, False  # a share of so few answers is no evidence yet
+        others = [
+            self.record(member).rejections / answers
+            for member in self.members
+            if member != url and (answers := self.record(member).answers) >= _FEW_ANSWERS
+        ]
+        return True, bool(others) and share >= sum(others) / len(others) + _STANDS_OUT_BY
+
+    def vindicate(self, url: str, now: float) -> None:
+        """Another server gave the answer ``url`` was doubted for: the request's fault after all. Its
+        answers are trusted for a health-check interval (one second call a while, however many bad
+        requests follow) and its share starts again."""
+        health = self.record(url)
+        interval = self.policy.health_check_interval
+        health.vindicated_until = now + (interval if interval > 0 else _VINDICATION_HOLDS_S)
+        health.answers = health.rejections = 0.0
+
+    def has_other(self, tried: Sequence[str], now: float, preferred: Sequence[str] = ()) -> bool:
+        """Whether :meth:`failover_target` would find a server not yet tried (without taking a turn of
+        the round-robin cursor)."""
+        return any(url not in tried and self.usable(url, now) for url in preferred) or any(
+            url not in tried for url in self.available(now)
+        )
 
     def record_success(self, url: str, *, health_check: bool = False) -> None:
         """A successful call, or (``health_check``) a passing ``/health``, which says nothing of a
@@ -356,9 +431,15 @@ class ServerPool:
                 "consecutive_failures": health.failures,
                 "ejected_for_s": max(0.0, health.ejected_until - now),
                 "failures_by_blame": dict(health.blamed),
+                "rejected_share": round(health.rejections / health.answers, 3) if health.answers else None,
                 "ejections_averted": health.kept,
                 "in_flight": health.capacity.in_flight,
-                "model": {"state": health.model, "served": health.served},
+                "model": {
+                    "state": health.model,
+                    "served": health.served,
+                    # This server's names it does not serve: requests for them go under one it does.
+                    "aliases_mapped": sorted(self.models.unserved_aliases(url)),
+                },
             }
             for url, health in self._health.items()
         }

@@ -24,7 +24,8 @@ from ._context import RequestContext
 from ._logs import logger
 from ._metrics import Stats
 from ._pool import ServerPool, no_server_left
-from ._protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
+from ._protocol import KV_TRANSFER_PARAMS, MIN_TOKENS, MODEL, PREFILL_KV_TRANSFER_PARAMS, STREAM_OPTIONS
+from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface, outgoing_body
 from ._upstream import Attempt
 from .config import EPDConfig
@@ -129,12 +130,24 @@ async def prefill(
         raise no_server_left(pool, "prefill server", retry_after)
     # Messages and Responses requests still hold their media (never rewritten): sent, not copied.
     body = outgoing_body(prefill_fields(fields, surface), compat=compat)
+    model = text_of(fields.get(MODEL))
+
+    def attempt(server: str) -> Attempt[dict[str, Any] | None]:
+        # Under a name the server serves, where it lacks the request's alias of this server's.
+        name = pool.models.name_for(server, model)
+        sent = (
+            body
+            if name is None
+            else outgoing_body({**prefill_fields(fields, surface), MODEL: name}, compat=compat)
+        )
+        return Attempt(sent, _kv_transfer_params)
+
     return await failover.call(
         pool,
         transport,
         server,
         surface.path,
-        lambda: Attempt(body, _kv_transfer_params),
+        attempt,
         headers,
         preferred,
         ledger=ledger,

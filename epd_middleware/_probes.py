@@ -16,7 +16,7 @@ from ._logs import logger
 from ._pool import Proof, ServerPool
 from ._protocol import CHAT_COMPLETIONS_PATH, LOAD_PATH, SERVER_LOAD
 from ._upstream import post_once
-from .errors import UpstreamError
+from .errors import UpstreamError, UpstreamStatusError
 from .transport import HTTPError, Transport, UnsendableRequest
 
 __all__ = ["confirm_failing", "probe", "probe_forever", "proves_healthy"]
@@ -148,7 +148,10 @@ async def proves_healthy(
 
 
 async def _canary_problem(pool: ServerPool, transport: Transport, url: str, canary: Canary) -> str | None:
-    attempt = canary.attempt()
+    """Why the canary encode says ``url`` cannot encode, or None. An answer about the canary's key (429:
+    a quota; 401, 403 to a canary that carries no key) says nothing of encoding: it proves nothing
+    either way, and /health stands alone."""
+    attempt = canary.attempt(pool.models.name_for(url, canary.model))
     try:
         reply = await post_once(
             transport,
@@ -166,9 +169,26 @@ async def _canary_problem(pool: ServerPool, transport: Transport, url: str, cana
             stats=pool.stats,
         )
         attempt.read(url, reply)
+    except UpstreamStatusError as exc:
+        if exc.status_code == _THROTTLED or (exc.status_code in _REFUSED and not canary.carries_key):
+            logger.warning(
+                "%s %s answered the canary encode HTTP %d, which says nothing of its encoding: its "
+                "health rests on /health%s",
+                pool.role,
+                url,
+                exc.status_code,
+                "" if canary.carries_key else " (set canary_api_key for encoders that take keys)",
+            )
+            return None
+        return f"the canary encode failed: {exc.reason}"
     except UpstreamError as exc:
         return f"the canary encode failed: {exc.reason}"
     return None
+
+
+# Answers about the canary's key, not the server's encoding: a throttle, and a refusal of no key.
+_THROTTLED = 429
+_REFUSED = frozenset({401, 403})
 
 
 async def probe_forever(

@@ -57,6 +57,9 @@ class Attempt(Generic[T]):
 
     body: Body
     read: Callable[[str, dict[str, Any]], T]
+    # The work the call asks of the server (an encoder call's vision tokens), by which its latency is
+    # compared with the fastest call of its size (_pool.record_latency); None: not known.
+    work: int | None = None
 
 
 class Capacity:

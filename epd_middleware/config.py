@@ -219,7 +219,8 @@ class EPDConfig(BaseModel):
         gt=1,
         description=(
             "adaptive: an encoder is saturated when its recent calls took this many times the fastest "
-            "call of their size (their body's bytes, within a factor of two)."
+            "call of their size (the vision tokens they ask for, within a factor of two), measured "
+            "within the last health_check_interval (a verdict no call renews goes stale)."
         ),
     )
     placement_encoder_busy_calls: int = Field(

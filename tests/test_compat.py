@@ -87,7 +87,7 @@ async def test_a_server_of_another_model_is_not_used(caplog: pytest.LogCaptureFi
     assert f"encoder {E1} is not used: it serves another-model (another-model)" in caplog.text
     assert caplog.text.count("is not used") == 1  # logged once, not per request
     model = (await status_of(app))["encoders"][E1]["model"]
-    assert model == {"state": "mismatch", "served": "another-model (another-model)"}
+    assert model == {"state": "mismatch", "served": "another-model (another-model)", "aliases_mapped": []}
 
 
 async def test_every_encoder_of_another_model_means_no_encoder() -> None:

@@ -104,3 +104,20 @@ def test_the_test_seam_and_the_public_names() -> None:
     )
     public = {path.stem for path in PACKAGE.glob("*.py") if not path.stem.startswith("_")}
     assert public == {"cli", "config", "errors", "host", "transport", "vllm_plugin"}
+
+
+# A function longer than this no longer fits in the head: split it along its seams (issue 35, item 8:
+# the failover's call had grown to 112 lines with blame and tracing).
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_of_the_package_passes_80_lines() -> None:
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long == []

@@ -167,7 +167,7 @@ def test_adaptive_keeps_small_items_here_while_pd_has_headroom() -> None:
 def test_adaptive_encodes_here_when_every_encoder_it_would_use_is_saturated(signal: str) -> None:
     decide, pool = placement("adaptive", small_tokens=0, encoder_slowdown=3.0, encoder_busy_calls=2)
     for url in (E0, E1):
-        pool.record_latency(url, 0.010)
+        pool.record_latency(url, 0.010, 256)
     big = {("image", "i"): 5000}
     assert decide.decide([IMAGE], big, idle_host(), [E0, E1]).why["image"] == ("remote", "large")
 
@@ -175,7 +175,7 @@ def test_adaptive_encodes_here_when_every_encoder_it_would_use_is_saturated(sign
         health = pool.record(url)
         if signal == "latency":
             for _ in range(20):
-                pool.record_latency(url, 0.100)
+                pool.record_latency(url, 0.100, 256)
         elif signal == "in_flight":
             health.capacity.in_flight = 2  # two calls from this process under way
         else:
@@ -204,19 +204,19 @@ def test_an_idle_pd_encodes_everything_here_whatever_its_size() -> None:
 
 
 def test_a_large_call_is_never_taken_for_a_slow_small_one() -> None:
-    """Latency compares within a size class (the body's bytes by powers of two): an idle encoder serving
+    """Latency compares within a size class (the vision tokens by powers of two): an idle encoder serving
     small and large images in turn is not saturated, one whose calls of each size take 4x their fastest
     is."""
     decide, pool = placement("adaptive", small_tokens=0, encoder_slowdown=3.0)
     big = {("image", "i"): 5000}
-    for size, seconds in ((30_000, 0.040), (400_000, 0.142)):  # a 448x448 image, then four larger ones:
+    for size, seconds in ((256, 0.040), (4 * 1296, 0.142)):  # a 448x448 image, then four larger ones:
         for _ in range(20):  # 3.5x the small call, and as fast as ever
             pool.record_latency(E0, seconds, size)
     assert not decide.saturated([E0])
     assert decide.decide([IMAGE], big, idle_host(1), [E0]).why["image"] == ("remote", "large")
     for _ in range(20):
-        pool.record_latency(E0, 0.160, 30_000)
-        pool.record_latency(E0, 0.570, 400_000)
+        pool.record_latency(E0, 0.160, 256)
+        pool.record_latency(E0, 0.570, 4 * 1296)
     assert decide.saturated([E0])
     assert decide.decide([IMAGE], big, idle_host(1), [E0]).why["image"] == ("local", "encoders_saturated")
 

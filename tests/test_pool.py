@@ -87,7 +87,7 @@ async def call(
         transport,
         first,
         path,
-        lambda: Attempt(json.dumps(BODY).encode(), read),
+        lambda server: Attempt(json.dumps(BODY).encode(), read),
         headers,
         preferred,
         deadline,
@@ -239,7 +239,7 @@ async def test_each_try_is_built_afresh_and_its_reading_may_refuse_the_answer() 
     transport = FakeTransport({E0: own_answer, E1: own_answer})
     bodies: list[bytes] = []
 
-    def attempt() -> Attempt[str]:
+    def attempt(server: str) -> Attempt[str]:
         body = f'{{"try": {len(bodies)}}}'.encode()
         bodies.append(body)
 
@@ -538,7 +538,11 @@ async def test_a_server_that_serves_another_model_is_not_used_and_not_blamed() -
     now = anyio.current_time()
     assert pool.available(now) == (E1,)
     assert pool.models.mismatched() == [(E0, "another-model (another-model)")]
-    assert pool.snapshot(now)[E0]["model"] == {"state": "mismatch", "served": "another-model (another-model)"}
+    assert pool.snapshot(now)[E0]["model"] == {
+        "state": "mismatch",
+        "served": "another-model (another-model)",
+        "aliases_mapped": [],
+    }
     assert failures(pool, E0) == 0
 
 
@@ -800,18 +804,27 @@ async def test_a_transport_bug_during_a_probe_counts_a_failure_and_probing_goes_
     assert failures(pool, E1) == 0
 
 
-async def test_a_calls_latency_is_classed_by_the_bytes_it_sent_whole_or_in_pieces() -> None:
+async def test_a_calls_latency_is_classed_by_the_work_it_asks_not_by_its_bytes() -> None:
     """Placement compares a call with the fastest of its size (:mod:`epd_middleware._placement`): the size
-    is the bytes sent, also for a body sent in pieces (large media strings are), not the pieces' count."""
+    is the vision work the call asks for (``Attempt.work``, its items' tokens), by powers of two. Before
+    (issue 35, item 4) it was the bytes sent, and 12 flat 1000 x 1000 PNGs of about 5 KB fell in the
+    class of 56 x 56 photos: their encodes read as a slowdown past 3, and every later request went local
+    as ``encoders_saturated``. A call whose work is not known (a remote image) does not weigh in."""
     pool = pool_of(E0)
     transport = FakeTransport({E0: own_answer})
     whole = json.dumps(BODY).encode()
     pieces = [whole[:10], memoryview(whole[10:])]
     for body in (whole, pieces):
-        await failover.call(pool, transport, E0, CHAT, lambda body=body: Attempt(body, read), {}, ())
+        await failover.call(
+            pool, transport, E0, CHAT, lambda server, body=body: Attempt(body, read, 4), {}, ()
+        )
+    await failover.call(pool, transport, E0, CHAT, lambda server: Attempt(whole, read, 1296), {}, ())
     health = pool.known(E0)
     assert health is not None
-    assert list(health.fastest) == [len(whole).bit_length()]
+    assert sorted(health.fastest) == [(4).bit_length(), (1296).bit_length()]
+    await failover.call(pool, transport, E0, CHAT, lambda server: Attempt(whole, read), {}, ())
+    assert len(health.fastest) == 2  # unknown work: no class of its own, and no slowdown sample
+    # The call span still reports the bytes sent, whole or in pieces (_tracing.py).
     assert body_size(pieces) == body_size(whole) == len(whole)
 
 

@@ -254,13 +254,15 @@ async def test_an_image_host_that_does_not_resolve_costs_two_calls_and_gets_vllm
         assert engine.received == []
 
 
-async def test_under_forward_authorization_the_canary_carries_a_key_the_encoders_take() -> None:
+async def test_under_forward_authorization_a_canary_without_a_key_proves_nothing_either_way() -> None:
     """With forward_authorization the encoders check the clients' own keys, and the middleware has none
-    of its own (no encoder_api_key; model checks off, as they need one). The canary went without any:
-    every encoder answered it 401, "the canary encode failed", so any three failures blamed on a server
-    (three requests with bytes PIL cannot read, from one client with a good key) ejected it, and six
-    emptied a pool of two for everyone: issue 29's attack again. Now the canary carries the key of the
-    request it confirms for, which the encoders just took for its own calls."""
+    of its own (no encoder_api_key, no canary_api_key; model checks off, as they need one). The canary
+    went without any: every encoder answered it 401, "the canary encode failed", so any three failures
+    blamed on a server (three requests with bytes PIL cannot read, from one client with a good key)
+    ejected it, and six emptied a pool of two for everyone: issue 29's attack again. Issue 29 made the
+    canary carry the client's key; issue 35 found that a throttled key then ejects every encoder. Now the
+    canary never carries a client's key, and a 401 to a canary that carries none says nothing of the
+    server's encoding: /health stands alone (tests/test_blame_both_ways.py: with canary_api_key)."""
 
     async def chat(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response:
         if carries(body, png(66)):
@@ -268,9 +270,12 @@ async def test_under_forward_authorization_the_canary_carries_a_key_the_encoders
         return encoded(body, request)
 
     inner = Encoders(chat)
+    refused_canaries: list[str | None] = []
 
     async def keyed(request: httpx.Request) -> httpx.Response:
         if request.url.path.startswith("/v1/") and request.headers.get("authorization") != "Bearer good":
+            if is_canary(json.loads(request.content)):
+                refused_canaries.append(request.headers.get("authorization"))
             return httpx.Response(401, json={"error": "Unauthorized"})
         return await inner(request)
 
@@ -283,7 +288,8 @@ async def test_under_forward_authorization_the_canary_carries_a_key_the_encoders
         response = await post(middleware, chat_body(image(png(66))), headers=key)
         assert response.status_code == 502
     assert healthy(middleware) == [E0, E1]
-    assert sum(inner.canaries.values()) >= 1
+    assert refused_canaries
+    assert set(refused_canaries) == {None}
     assert (await post(middleware, chat_body(image(png(1))), headers=key)).status_code == 200
 
 
