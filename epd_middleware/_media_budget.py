@@ -34,6 +34,9 @@ _BASE64 = b";base64"
 # whose size stays unknown is only not counted (never refused for it).
 _PREFIXES = (4096, 65536, 262144)
 _MAX_SEGMENTS = 64
+# GIF blocks (extensions and their data sub-blocks) walked at most before the first frame (a real file
+# has a handful).
+_MAX_GIF_BLOCKS = 256
 # What _jpeg says when the frame header may lie past the bytes decoded so far.
 _MORE = (-1, -1)
 _JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD9)})
@@ -114,9 +117,8 @@ def _dimensions(head: bytes) -> tuple[int, int] | None:
     if head.startswith(b"\x89PNG\r\n\x1a\n") and len(head) >= 24 and head[12:16] == b"IHDR":
         width, height = struct.unpack(">II", head[16:24])
         return width, height
-    if head[:6] in (b"GIF87a", b"GIF89a") and len(head) >= 10:
-        width, height = struct.unpack("<HH", head[6:10])
-        return width, height
+    if head[:6] in (b"GIF87a", b"GIF89a") and len(head) >= 13:
+        return _gif(head)
     if head.startswith(b"BM") and len(head) >= 26:
         header = struct.unpack("<I", head[14:18])[0]
         if header == 12:
@@ -128,6 +130,35 @@ def _dimensions(head: bytes) -> tuple[int, int] | None:
         return _webp(head)
     if head[:2] == b"\xff\xd8":
         return _jpeg(head)
+    return None
+
+
+def _gif(head: bytes) -> tuple[int, int] | None:
+    """A GIF's size as Pillow gives it on open (``GifImagePlugin._open``, ``_seek(0)``): its logical
+    screen, grown to hold the first frame where that frame reaches past it. A screen of 1 x 1 may hold a
+    frame of 600 x 500, which Pillow (and vLLM's budget) count at 600 x 500."""
+    width, height = struct.unpack("<HH", head[6:10])
+    flags = head[10]
+    at = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # past the global colour table
+    in_extension = False
+    # Bounded, as the JPEG walk is: a file of thousands of one-byte blocks costs one walk of these.
+    for _ in range(_MAX_GIF_BLOCKS):
+        if at >= len(head):
+            return _MORE
+        if in_extension:  # its data sub-blocks, up to an empty one
+            length = head[at]
+            at += 1 + length
+            in_extension = length > 0
+            continue
+        kind = head[at]
+        if kind == 0x2C:  # the first frame's image descriptor: its extent
+            if at + 9 > len(head):
+                return _MORE
+            x0, y0, frame_width, frame_height = struct.unpack("<HHHH", head[at + 1 : at + 9])
+            return max(width, x0 + frame_width), max(height, y0 + frame_height)
+        if kind != 0x21:  # the trailer, or no GIF Pillow reads: the screen's size
+            return width, height
+        at, in_extension = at + 2, True  # an extension: its label, then its sub-blocks
     return None
 
 

@@ -306,11 +306,14 @@ class FakeEngine:
     received: list[EngineRecord] = field(default_factory=list)
     fail_next: int = 0  # answer this many requests with vLLM's 500 (an embedding it could not load)
     fail_after: float = 0.0  # seconds before that 500 (a Mooncake consumer's push wait)
+    delay: float = 0.0  # seconds each chat completion takes (the engine at work)
 
     def app(self) -> Starlette:
         async def chat(request: Request) -> Response:
             body = await request.body()
             self.received.append(EngineRecord(body, dict(request.headers)))
+            if self.delay:
+                await anyio.sleep(self.delay)
             if self.fail_next:
                 self.fail_next -= 1
                 if self.fail_after:

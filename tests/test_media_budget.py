@@ -34,6 +34,20 @@ def jpeg(width: int, height: int, exif: int = 0) -> bytes:
     return b"\xff\xd8" + app0 + app1 + sof + b"\xff\xda\x00\x08" + b"\x00" * 64 + b"\xff\xd9"
 
 
+def gif(
+    screen: tuple[int, int], frame: tuple[int, int], offset: tuple[int, int] = (0, 0), comment: bytes = b""
+) -> bytes:
+    """A GIF of one frame (a global colour table, a graphic control extension, a comment of 255-byte
+    sub-blocks, then the frame at ``offset``)."""
+    head = b"GIF89a" + struct.pack("<HH", *screen) + b"\x80\x00\x00" + b"\x00\x00\x00\xff\xff\xff"
+    notes = b"".join(
+        bytes([len(comment[i : i + 255])]) + comment[i : i + 255] for i in range(0, len(comment), 255)
+    )
+    extensions = b"!\xf9\x04\x00\x00\x00\x00\x00" + (b"!\xfe" + notes + b"\x00" if comment else b"")
+    frame_block = b"," + struct.pack("<HHHH", *offset, *frame) + b"\x00" + b"\x02\x02\x44\x01\x00"
+    return head + extensions + frame_block + b";"
+
+
 HEADERS = [
     (png_rgba(40, 30), 40 * 30 * 4),
     (b"GIF89a" + struct.pack("<HH", 640, 480) + b"\x00" * 20, 640 * 480 * 4),
@@ -47,6 +61,13 @@ HEADERS = [
     ),
     (jpeg(1920, 1080), 1920 * 1080 * 4),
     (jpeg(4000, 3000, exif=60000), 4000 * 3000 * 4),  # the frame header comes after 60 KB of EXIF
+    # Pillow grows a GIF's logical screen to hold its first frame (issue 35: a screen of 1 x 1 with a
+    # frame of 600 x 500 was counted 1 x 1, placed as small and passed the budget). Pillow 13 gives
+    # these sizes: (600, 500), (610, 520), (800, 600), (600, 500).
+    (gif((1, 1), (600, 500)), 600 * 500 * 4),
+    (gif((1, 1), (600, 500), offset=(10, 20)), 610 * 520 * 4),
+    (gif((800, 600), (10, 10)), 800 * 600 * 4),
+    (gif((1, 1), (600, 500), comment=b"x" * 3000), 600 * 500 * 4),
 ]
 
 

@@ -368,3 +368,99 @@ def test_the_placement_option_is_read_from_the_environment(monkeypatch: pytest.M
     monkeypatch.setenv("EPD_PLACEMENT_SMALL_TOKENS", "512")
     config = EPDConfig.from_env()
     assert (config.placement, config.placement_small_tokens) == ("adaptive", 512)
+
+
+# --- placement that cannot be gamed (issue 35, item 4) ----------------------------------------------------
+
+
+async def test_an_encoders_calls_are_classed_by_their_vision_work_not_their_bytes() -> None:
+    """Flat 1000 x 1000 PNGs are a few kilobytes, as small photos are. Before, a call's size class was
+    its body's bytes, so their encodes counted as a slowdown of the small photos' class: 12 of them passed
+    3, and every later request went local as ``encoders_saturated``. The class is the vision tokens now."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, load=1, placement="adaptive", max_batch_size=1)
+    assert len(png_of(56, 56)) == len(png_of(1000, 1000))  # the same bytes
+    for width in (56, 1000):
+        assert (await post(app, chat_body(picture(width, width)))).status_code == 200
+    tokens = [vision_tokens(side, side, 28, 56 * 56, 28 * 28 * 16384) for side in (56, 1000)]
+    assert tokens == [4, 1296]
+    assert sorted(_pool_of(app).record(E0).fastest) == [(4).bit_length(), (1296).bit_length()]
+
+
+def _pool_of(app: Any) -> ServerPool:
+    layer = app.middleware_stack
+    while not isinstance(layer, EPDMiddleware):
+        layer = layer.app
+    return layer.pipeline.encoders
+
+
+def test_a_saturation_no_call_renews_goes_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, once every encoder read as saturated, every request went local, no encoder got a call, and
+    the verdict never changed. A slowdown holds a health-check interval: then the next request goes to
+    the encoders and measures again."""
+    import time as time_module
+
+    decide, pool = placement("adaptive", small_tokens=0, encoder_slowdown=3.0)
+    big = {("image", "i"): 5000}
+    for url in (E0, E1):
+        pool.record_latency(url, 0.010, 256)
+        for _ in range(20):
+            pool.record_latency(url, 0.100, 256)
+    assert decide.decide([IMAGE], big, idle_host(1), [E0, E1]).why["image"] == ("local", "encoders_saturated")
+    now = time_module.monotonic()
+    monkeypatch.setattr(time_module, "monotonic", lambda: now + pool.policy.health_check_interval + 0.1)
+    assert decide.decide([IMAGE], big, idle_host(1), [E0, E1]).why["image"] == ("remote", "large")
+
+
+async def test_a_burst_at_an_idle_pd_places_one_request_here_not_all() -> None:
+    """Eight requests arriving together at an idle PD all saw it idle (the engine counts a request only
+    once it has it) and all went local. Requests this process placed and has not seen finish count."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    engine.delay = 0.05  # the engine takes a while: the burst overlaps
+    app = app_with(encoders, engine, load=0, placement="adaptive")
+    middleware = app.build_middleware_stack()
+    import anyio
+
+    async with anyio.create_task_group() as group:
+        for seed in range(8):
+            group.start_soon(post, middleware, chat_body(picture(1024 + seed, 1024)))
+    kinds = [media_parts(record.json)[0]["type"] for record in engine.received]
+    assert kinds.count("image_url") == 1  # the first: PD was idle
+    assert kinds.count("image_embeds") == 7
+    assert len(encoders.calls) == 7
+
+
+def test_small_tokens_zero_places_nothing_here_for_its_size() -> None:
+    """0 means never: a header that says 0 x 100 (no image Pillow decodes) counted 0 tokens, and 0 <= 0
+    placed it here as small."""
+    decide, _ = placement("adaptive", small_tokens=0)
+    zero = {("image", "i"): 0}
+    assert decide.decide([IMAGE], zero, idle_host(1), [E0]).why["image"] == ("remote", "large")
+
+    class Part:
+        modality = "image"
+        url = png_of(0, 100)
+
+    assert item_tokens([Part()], ["i"], {}, Host()) == {("image", "i"): None}  # type: ignore[list-item]
+
+
+# --- no 500 for a client's input (issue 35, item 5) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"min_pixels": 10**400},
+        {"max_pixels": 10**400, "min_pixels": 10**399},
+        {"size": {"shortest_edge": 10**400}},
+    ],
+)
+async def test_pixel_bounds_no_float_holds_are_left_to_vllm_not_a_500(options: dict[str, Any]) -> None:
+    """``min_pixels`` 10**400 raised OverflowError in the token estimate: the client got a 500. Its size is
+    not known here now, and the encoder (vLLM) answers for the options."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app = app_with(encoders, engine, load=1, placement="adaptive")
+    body = json.dumps(chat_body(picture(448, 448), mm_processor_kwargs=options))
+    response = await post(app, json.loads(body))
+    assert response.status_code == 200, response.text
+    assert len(encoders.calls) == 1
