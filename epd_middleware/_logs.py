@@ -10,6 +10,7 @@ causes); a filter on the logger puts it in front of each line written meanwhile,
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -29,16 +30,36 @@ _encode = msgspec.json.Encoder().encode
 
 
 class _RequestIdFilter(logging.Filter):
-    """Puts the current request's id in front of each line (and on the record as ``request_id``)."""
+    """Puts the current request's id in front of each line (and on the record as ``request_id``), and
+    makes the line one line: a line quotes what clients wrote (a refused URL, vLLM's echo of it in an
+    encoder's answer), and a line break or another control character in it would write a second,
+    forged line (``request victim-7: answered 200``) or a terminal's escape. They are escaped as Python
+    writes them (``\\n``, ``\\x1b``, ``\\u2028``), and lone surrogates too, which no stream encodes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         request_id = _request_id.get()
         record.request_id = request_id
-        if request_id is not None and not getattr(record, "epd_prefixed", False):
-            # The id goes in as text, never as a format: a '%' in it must not meet the arguments.
-            record.msg = f"request {request_id.replace('%', '%%')}: {record.msg}"
-            record.epd_prefixed = True
+        if getattr(record, "epd_prefixed", False):
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:  # a format that does not fit its arguments: logging's own handler reports it
+            return True
+        if _CONTROL.search(message) is not None:
+            message = _CONTROL.sub(_escape, message)
+        # The message is final: no argument is formatted into it again (a '%' in it stays a '%').
+        record.msg = f"request {request_id}: {message}" if request_id is not None else message
+        record.args = None
+        record.epd_prefixed = True
         return True
+
+
+# C0 and C1 controls, DEL, the Unicode line and paragraph separators, and lone surrogates.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    return match.group().encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 logger.addFilter(_RequestIdFilter())

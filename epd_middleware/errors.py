@@ -8,6 +8,7 @@ to clients only under ``expose_upstream_addresses`` (debugging).
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 
 import msgspec
@@ -35,9 +36,20 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnavailable",
     "VllmError",
+    "error_json",
 ]
 
 _encode = msgspec.json.Encoder().encode
+
+
+def error_json(payload: object) -> bytes:
+    """An error answer as JSON. Its message may quote the client's own text, which may hold a lone
+    surrogate (a body read by Python's json takes ``"\\ud800"``) that UTF-8 cannot encode: then it is
+    written as JSON's escape, which the client reads back as it sent it."""
+    try:
+        return _encode(payload)
+    except UnicodeEncodeError:
+        return json.dumps(payload, ensure_ascii=True, separators=(",", ":")).encode()
 
 # Statuses that say something about the server, not about the request: another server may succeed.
 RETRYABLE_STATUSES = frozenset({401, 403, 408, 429})
@@ -84,7 +96,7 @@ class EPDError(Exception):
         return name if name.endswith("Error") else name + "Error"
 
     def body(self) -> bytes:
-        return _encode(
+        return error_json(
             {
                 "error": {
                     "message": self.message,

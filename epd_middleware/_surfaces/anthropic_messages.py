@@ -23,7 +23,7 @@ import msgspec
 
 from epd_middleware import _protocol as p
 from epd_middleware._rawjson import raw_text, text_of
-from epd_middleware.errors import EPDError
+from epd_middleware.errors import EPDError, error_json
 
 from . import MediaPart, ParsedRequest, Raw, Surface, Unusable, checked_messages, parse_with, with_handles
 
@@ -134,7 +134,6 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
 }
-_encode_error = msgspec.json.Encoder().encode
 
 
 def error_type(status: int) -> str:
@@ -144,7 +143,7 @@ def error_type(status: int) -> str:
 def error_body(error: EPDError) -> bytes:
     """``{"type": "error", "error": {"type": ..., "message": ...}}``: what Anthropic's SDKs read."""
     detail = {"type": error_type(error.status), "message": error.message}
-    return _encode_error({"type": "error", "error": detail})
+    return error_json({"type": "error", "error": detail})
 
 
 SURFACE = Surface(
