@@ -6,19 +6,16 @@ app and connection); what the request means is the pipeline's to decide.
 
 from __future__ import annotations
 
-import itertools
-import logging
-import os
-import secrets
 from collections.abc import Mapping, Sequence
 
 import anyio
 import anyio.lowlevel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ._asgi import first_header, replay, send_error
+from ._answers import answer
+from ._asgi import first_header, replay
 from ._context import RequestContext
-from ._logs import logger, request_scope
+from ._logs import logger, new_request_id, request_scope
 from ._pipeline import Pipeline
 from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
@@ -80,7 +77,7 @@ class Exchange:
 
     async def run(self) -> None:
         given = first_header(self.scope["headers"], REQUEST_ID_HEADER)
-        self.request_id = given.decode("latin-1") if given is not None else _new_request_id()
+        self.request_id = given.decode("latin-1") if given is not None else new_request_id()
         self.given_id = given is not None
         with request_scope(self.request_id):
             await self._run()
@@ -197,22 +194,17 @@ class Exchange:
             )
 
     async def _answer(self, error: EPDError) -> None:
-        """The middleware's own error, in the surface's language (Anthropic's on Messages), with the
-        request id where vLLM's --enable-request-id-headers puts it on its answers; one line in the log
-        (a client's mistake at INFO, whatever its status; the rest at WARNING)."""
-        logger.log(
-            logging.WARNING if error.status >= 500 and not error.requests_fault else logging.INFO,
-            "answered %d %s: %s",
-            error.status,
-            error.error_type,
-            error.logged,
+        """The middleware's own error, in the surface's language (Anthropic's on Messages)."""
+        config = self.pipeline.config
+        await answer(
+            self.send,
+            error,
+            request_id=self.request_id,
+            id_header=self.host.request_id_headers,
+            expose=config.expose_upstream_addresses,
+            retry_after=config.retry_after,
+            body_of=self.surface.error_body,
         )
-        if self.pipeline.config.expose_upstream_addresses:
-            error.expose()
-        extra = (
-            [(REQUEST_ID_HEADER, self.request_id.encode("latin-1"))] if self.host.request_id_headers else []
-        )
-        await send_error(self.send, error, self.surface.error_body(error), extra)
 
     async def _read_body(self) -> bytes:
         limit = self.pipeline.config.max_body_bytes
@@ -318,27 +310,6 @@ class _EngineFailureGuard:
                     self.withheld = True
                     return
         await self._send(message)
-
-
-class _RequestIds:
-    """Unique request ids without a random draw each: a random prefix per process and a counter.
-
-    ``uuid4`` reads the kernel's random source on every call (about 8 us a request on the perf rig). The
-    prefix is drawn again in a forked child, so processes never share one.
-    """
-
-    def __init__(self) -> None:
-        self._pid = -1
-        self._prefix = ""
-        self._counter = itertools.count()
-
-    def __call__(self) -> str:
-        if self._pid != os.getpid():
-            self._pid, self._prefix = os.getpid(), secrets.token_hex(8)
-        return f"{self._prefix}{next(self._counter):08x}"
-
-
-_new_request_id = _RequestIds()
 
 
 def _length(value: bytes | None) -> int | None:

@@ -13,18 +13,17 @@ import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
-from ._asgi import first_header, replay, route_path, send_error, send_json
+from ._asgi import first_header, route_path, send_error, send_json
 from ._exchange import Exchange
 from ._llmd import SCHEDULER_HEADERS
 from ._logs import adopt_vllm_logging, log_as_json, logger
 from ._pipeline import Pipeline
 from ._probes import probe_forever
-from ._protocol import MEDIA_ROUTES
-from ._raw_media import refusal
+from ._raw_media import RawMediaGuard
 from ._status import status_page
 from ._surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .config import EPDConfig, EPDOptions
-from .errors import BodyTooLarge, StartupFailed, Unauthorized
+from .errors import StartupFailed, Unauthorized
 from .host import Host
 from .transport import HTTPClient, HttpxTransport, Transport
 
@@ -87,9 +86,9 @@ class EPDMiddleware:
             **{path: openai_responses.SURFACE for path in config.responses_paths},
         }
         self._status_path = config.status_path
-        # The routes vLLM may run media on that this middleware does not intercept.
-        self._media_elsewhere_routes = MEDIA_ROUTES - self._surfaces.keys()
         self._pipeline = Pipeline(config)
+        # Media on vLLM's routes this middleware does not intercept, where the engine cannot encode it.
+        self._raw_media = RawMediaGuard(config, self._surfaces, self._pipeline.stats)
         self._transports = _Transports(
             HttpxTransport(http_client) if http_client is not None else transport, config
         )
@@ -125,14 +124,13 @@ class EPDMiddleware:
         elif scope["type"] == "http" and self._status_path and route_path(scope) == self._status_path:
             await self._status(scope, send)
         elif (
-            scope["type"] == "http"
-            and scope["method"] == "POST"
-            and route_path(scope) in self._media_elsewhere_routes
+            scope["type"] in ("http", "websocket")
+            and self._raw_media.guards(scope)
             and (host := self._hosts.of(scope)).local_encoding_blocker is not None
             # Whom vLLM refuses, it refuses first (401), before anything is read.
             and host.authorizes(scope["headers"])
         ):
-            await self._media_elsewhere(scope, receive, send, host.local_encoding_blocker)
+            await self._raw_media(self.app, scope, receive, send, host)
         elif scope["type"] == "lifespan":
             await self._lifespan(scope, receive, send)
         else:
@@ -148,27 +146,6 @@ class EPDMiddleware:
         if content_type is None or content_type.lower().split(b";", 1)[0] != _JSON:
             return None
         return surface
-
-    async def _media_elsewhere(self, scope: Scope, receive: Receive, send: Send, blocker: str) -> None:
-        """A route vLLM may run media on, not intercepted here, on a server whose engine cannot encode
-        it (:mod:`._raw_media`): refused when it carries media, else passed on as it came."""
-        body, more = b"", True
-        limit = self.config.max_body_bytes
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                await send_error(send, BodyTooLarge(limit))
-                return
-        refused = refusal(route_path(scope), first_header(scope["headers"], b"content-type"), body, blocker)
-        if refused is not None:
-            self._pipeline.stats.request("media_refused_elsewhere")
-            await send_error(send, refused)
-            return
-        await self.app(scope, replay(body, receive), send)
 
     async def _status(self, scope: Scope, send: Send) -> None:
         """GET the status page: encoders, their health and load, counters. Behind the API keys."""

@@ -82,11 +82,17 @@ MESSAGES_PATH: Final = "/v1/messages"
 RESPONSES_PATH: Final = "/v1/responses"
 
 # vLLM's other routes that run the engine on media a request carries (0.32: pooling, scoring, Cohere's
-# API, audio transcription; ``entrypoints/pooling/``, ``entrypoints/cohere/``, ``entrypoints/openai/
-# speech_to_text/``), and the surfaces' own when a deployment does not intercept them. On a server whose
-# engine cannot encode media (a Mooncake consumer) media there is refused (:mod:`._raw_media`).
+# API, audio transcription, the structured decisions API's ``images``/``audio``/``videos``, the
+# token-in generate route's ``content_parts``; ``entrypoints/pooling/``, ``entrypoints/cohere/``,
+# ``entrypoints/speech_to_text/``, ``entrypoints/generate/structured_decisions/``,
+# ``entrypoints/scale_out/token_in_token_out/``), and the surfaces' own when a deployment does not
+# intercept them. On a server whose engine cannot encode media (a Mooncake consumer) media there is
+# refused (:mod:`._raw_media`); where the running app's routes can be read, they are guarded instead,
+# less NO_MEDIA_ROUTES.
 MEDIA_ROUTES: Final[frozenset[str]] = frozenset(
     {
+        "/v1/systemone",
+        "/inference/v1/generate",
         "/v1/embeddings",
         "/pooling",
         "/classify",
@@ -107,10 +113,69 @@ MEDIA_ROUTES: Final[frozenset[str]] = frozenset(
         "/invocations",
     }
 )
+# vLLM's websockets that stream media to the engine: realtime audio transcription
+# (``entrypoints/speech_to_text/realtime/api_router.py``, ``input_audio_buffer.append`` events).
+MEDIA_WEBSOCKETS: Final[frozenset[str]] = frozenset({"/v1/realtime"})
+# vLLM 0.32's POST routes that hand the engine no media (a renderer may read it, the engine never waits
+# for it): administration, profiling, weights, LoRA adapters, tokenising and rendering, text completions
+# (``prompt_embeds`` are tensors, not media), counting tokens. Every other POST route of the running app
+# is taken to run the engine on what it is sent.
+NO_MEDIA_ROUTES: Final[frozenset[str]] = frozenset(
+    {
+        "/abort_requests",
+        "/inference/v1/abort_requests",
+        "/collective_rpc",
+        "/fault_tolerance/apply",
+        "/ping",
+        "/pause",
+        "/resume",
+        "/sleep",
+        "/wake_up",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/reset_prefix_cache",
+        "/reset_encoder_cache",
+        "/reset_mm_cache",
+        "/release_kv_cache_memory",
+        "/start_profile",
+        "/stop_profile",
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/finish_weight_update",
+        "/update_weights",
+        "/update_weight_version",
+        "/weight_checker",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/tokenize",
+        "/detokenize",
+        "/v1/completions",
+        "/v1/completions/render",
+        "/v1/completions/derender",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/derender",
+        "/v1/messages/render",
+        "/v1/messages/count_tokens",
+        "/v1/responses/render",
+        "/cohere/v2/chat/render",
+    }
+)
 # Keys under which those routes take media (besides data URLs anywhere): content parts, their
-# references, and Cohere's list of images.
+# references, Cohere's list of images, the decisions API's lists, the generate route's raw parts.
 MEDIA_KEYS: Final[frozenset[str]] = frozenset(
-    {*MEDIA_PARTS, *EMBEDS_PARTS, "image_pil", "images", "audio_url", "video_url"}
+    {
+        *MEDIA_PARTS,
+        *EMBEDS_PARTS,
+        "image_pil",
+        "images",
+        "audio_url",
+        "video_url",
+        "audio",
+        "videos",
+        "content_parts",
+    }
 )
 
 # vLLM's server load (``entrypoints/serve/instrumentator/basic.py``, ``--enable-server-load-tracking``):

@@ -53,9 +53,11 @@ def request_span(on: bool, headers: Sequence[tuple[bytes, bytes]]) -> contextlib
 @contextlib.contextmanager
 def _request_span(headers: Sequence[tuple[bytes, bytes]]) -> Iterator[Any]:
     trace, propagate = _otel
-    carrier = {
-        name.decode("latin-1"): value.decode("latin-1") for name, value in headers if name in _TRACE_HEADERS
-    }
+    # The first of each, as vLLM reads them (Starlette's Headers give the first of a repeated header).
+    carrier: dict[str, str] = {}
+    for name, value in headers:
+        if name in _TRACE_HEADERS:
+            carrier.setdefault(name.decode("latin-1"), value.decode("latin-1"))
     parent = propagate.extract(carrier) if carrier else None
     tracer = trace.get_tracer("epd_middleware")
     with tracer.start_as_current_span("epd.request", context=parent, kind=trace.SpanKind.SERVER) as span:

@@ -699,13 +699,13 @@ async def test_nixl_and_cpu_connector_handles_reach_the_engine_whole_under_the_r
 def test_generated_request_ids_are_unique_and_drawn_anew_in_a_forked_child(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from epd_middleware import _exchange as module
+    from epd_middleware import _logs as module
 
-    ids = {module._new_request_id() for _ in range(1000)}
+    ids = {module.new_request_id() for _ in range(1000)}
     assert len(ids) == 1000
-    parent = module._new_request_id()
+    parent = module.new_request_id()
     monkeypatch.setattr(module.os, "getpid", lambda: -7)  # what a forked child sees: another pid
-    child = module._new_request_id()
+    child = module.new_request_id()
     assert child[:16] != parent[:16]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -118,3 +119,19 @@ def test_the_host_traces_where_vllm_exports_traces() -> None:
         Host.of_vllm(SimpleNamespace(observability_config=SimpleNamespace(otlp_traces_endpoint=None))).traces
         is False
     )
+
+
+async def test_with_two_traceparent_headers_the_request_joins_the_first_as_vllm_would() -> None:
+    """vLLM reads a request's trace context with Starlette's Headers, which give the first of a repeated
+    header; the middleware took the last, so its spans and vLLM's own joined two different traces."""
+    encoders, engine = FakeEncoders([E0]), FakeEngine()
+    app, _ = build_app(encoders, engine, host=Host(traces=True))
+    other = "00-11111111111111111111111111111111-2222222222222222-01"
+    headers = [("content-type", "application/json"), ("traceparent", TRACEPARENT), ("traceparent", other)]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pd") as client:
+        response = await client.post("/v1/chat/completions", json=chat_body(image(png(1))), headers=headers)
+    assert response.status_code == 200
+    [request] = by_name(EXPORTER.get_finished_spans(), "epd.request")
+    assert hex_id(request.context.trace_id, 32) == CLIENT_TRACE
+    assert request.parent is not None
+    assert hex_id(request.parent.span_id, 16) == CLIENT_PARENT
