@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 
 from ._pipeline import Pipeline
+from .config import EPDConfig
 from .host import Host
 
 __all__ = ["status_page"]
@@ -36,8 +37,15 @@ def status_page(pipeline: Pipeline, host: Host) -> dict[str, Any]:
         "known_problems": host.known_problems,
         "handle_reuse": pipeline.reuse_status(host),
         "placement": pipeline.placement.status(host),
-        "config": pipeline.config.model_dump(mode="json", exclude={"api_keys", "encoder_api_key"}),
+        # Whether media uuids are keyed by the fleet's secret (shared by every PD given it) or by this
+        # process's own key (no encoded media shared with other processes).
+        "uuid_key": "configured" if pipeline.uuid_key.shared else "this process's own",
+        "config": pipeline.config.model_dump(mode="json", exclude=_SECRETS),
     }
+
+
+# The options that hold keys (hidden from repr too): never on the page.
+_SECRETS = frozenset(name for name, field in EPDConfig.model_fields.items() if not field.repr)
 
 
 def _reference_status(host: Host) -> dict[str, Any]:

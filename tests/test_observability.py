@@ -117,7 +117,15 @@ async def test_encoder_failures_are_warnings_naming_the_encoder(caplog: pytest.L
 
 async def test_status_endpoint() -> None:
     encoders, engine = FakeEncoders([E0, E1], mode={E1: "500"}), FakeEngine()
-    app, _ = build_app(encoders, engine, api_keys=["k"], encoder_api_key="secret-enc", eject_after=1)
+    app, _ = build_app(
+        encoders,
+        engine,
+        api_keys=["k"],
+        encoder_api_key="secret-enc",
+        canary_api_key="secret-canary",
+        uuid_key="secret-fleet-uuid-key",
+        eject_after=1,
+    )
     middleware = app.build_middleware_stack()
     await post(middleware, chat_body(image(png(1)), image(png(2))), headers={"authorization": "Bearer k"})
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=middleware)) as client:
@@ -137,6 +145,10 @@ async def test_status_endpoint() -> None:
     assert body["config"]["encoders"] == [E0, E1]
     assert "secret-enc" not in status.text
     assert "api_keys" not in body["config"]
+    # Issue 35's secrets too (before: the canary key and the fleet's uuid key were on the page).
+    assert "secret-canary" not in status.text
+    assert "secret-fleet-uuid-key" not in status.text
+    assert body["uuid_key"] == "configured"
 
 
 async def test_status_endpoint_names_the_runner_and_the_known_problems() -> None:
