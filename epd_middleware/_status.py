@@ -45,7 +45,7 @@ def status_page(pipeline: Pipeline, host: Host) -> dict[str, Any]:
 
 
 # The options that hold keys (hidden from repr too): never on the page.
-_SECRETS = frozenset(name for name, field in EPDConfig.model_fields.items() if not field.repr)
+_SECRETS = {name for name, field in EPDConfig.model_fields.items() if not field.repr}
 
 
 def _reference_status(host: Host) -> dict[str, Any]:
