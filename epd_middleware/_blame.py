@@ -211,7 +211,10 @@ class Ledger:
         for index, entry in enumerate(self._doubted):
             if entry.role == role and entry.server != server and entry.status == status:
                 del self._doubted[index]
-                return verdict._replace(doubtable=False, vindicate=entry.server)
+                # Two refusals of a client's key say nothing of either server's other answers: only an
+                # answer about the request vindicates the server that gave it first.
+                vindicate = entry.server if verdict.blame == "request" else None
+                return verdict._replace(doubtable=False, vindicate=vindicate)
         return verdict
 
     def settle(self, server: str, failure: UpstreamError, *, server_healthy: bool) -> Verdict:

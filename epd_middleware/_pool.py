@@ -48,6 +48,8 @@ _DOUBTED_SHARE = 0.5
 _STANDS_OUT_BY = 0.25
 # A share over fewer answers than this (decayed: about the last four) is noise, no standing out.
 _FEW_ANSWERS = 3.0
+# "Client fault" answers in a row that are worth its canary whatever its share.
+_STREAK = 3
 # How long a vindication holds where health probes are off (as a proof of health does).
 _VINDICATION_HOLDS_S = 5.0
 
@@ -124,6 +126,9 @@ class Health:
     answers: float = 0.0
     rejections: float = 0.0
     vindicated_until: float = 0.0
+    # Its "client fault" answers in a row: a server that breaks after long service keeps a share under
+    # half for several answers (the earlier successes weigh), but not a streak.
+    rejected_streak: int = 0
     # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
     server_load: int | None = None
     # False once it answered that it tracks no load: not asked again.
@@ -298,6 +303,7 @@ class ServerPool:
         health = self.record(url)
         health.answers = health.answers * _ANSWER_DECAY + 1.0
         health.rejections = health.rejections * _ANSWER_DECAY + rejected
+        health.rejected_streak = health.rejected_streak + 1 if rejected else 0
 
     def rejection_share(self, url: str) -> float | None:
         """The share of ``url``'s recent answers that said the request was at fault (None: no answer
@@ -309,14 +315,14 @@ class ServerPool:
 
     def doubts(self, url: str, now: float) -> tuple[bool, bool]:
         """Whether a "client fault" answer of ``url`` is to be doubted: its share of them is at least
-        half of a few answers or more (and it was not vindicated lately), which is worth its canary (one
-        a while); and whether that share also stands out from the other members' (their mean, over a
-        few answers each), which is worth a second server's call."""
-        share = self.rejection_share(url)
-        if share is None or share < _DOUBTED_SHARE or self.record(url).vindicated_until > now:
+        half of a few answers or more, or it gave a few in a row (and it was not vindicated lately),
+        which is worth its canary (one a while); and whether that share also stands out from the other
+        members' (their mean, over a few answers each), which is worth a second server's call."""
+        share, health = self.rejection_share(url), self.record(url)
+        if share is None or health.vindicated_until > now:
             return False, False
-        if self.record(url).answers < _FEW_ANSWERS:
-            return False, False  # a share of so few answers is no evidence yet
+        if health.rejected_streak < _STREAK and (share < _DOUBTED_SHARE or health.answers < _FEW_ANSWERS):
+            return False, False  # a share under half, or of so few answers, is no evidence yet
         others = [
             self.record(member).rejections / answers
             for member in self.members
@@ -327,11 +333,14 @@ class ServerPool:
     def vindicate(self, url: str, now: float) -> None:
         """Another server gave the answer ``url`` was doubted for: the request's fault after all. Its
         answers are trusted for a health-check interval (one second call a while, however many bad
-        requests follow) and its share starts again."""
+        requests follow), and that answer leaves its share."""
         health = self.record(url)
         interval = self.policy.health_check_interval
         health.vindicated_until = now + (interval if interval > 0 else _VINDICATION_HOLDS_S)
-        health.answers = health.rejections = 0.0
+        # The answer shown to be the request's leaves the share; the rest of it stays, so a server that
+        # also fails honest requests is doubted again once the vindication ends.
+        health.rejections = max(0.0, health.rejections - 1.0)
+        health.rejected_streak = 0
 
     def has_other(self, tried: Sequence[str], now: float, preferred: Sequence[str] = ()) -> bool:
         """Whether :meth:`failover_target` would find a server not yet tried (without taking a turn of

@@ -51,6 +51,7 @@ def error_json(payload: object) -> bytes:
     except UnicodeEncodeError:
         return json.dumps(payload, ensure_ascii=True, separators=(",", ":")).encode()
 
+
 # Statuses that say something about the server, not about the request: another server may succeed.
 RETRYABLE_STATUSES = frozenset({401, 403, 408, 429})
 

@@ -321,3 +321,52 @@ async def test_an_attacker_concentrating_bad_requests_on_one_encoder_pays_a_seco
     assert healthy(app) == [E0, E1, E2]
     assert counters(app)["encoder_failures_blamed_server"] == 0
     assert counters(app)["encoder_failures_blamed_unmasked"] == 0
+
+
+async def test_a_throttled_clients_refusals_vindicate_no_broken_encoder() -> None:
+    """Found on real vLLM (tests/e2e/test_trust_e2e.py's gateway): two encoders refusing one client's
+    key (429 on both) vindicated the first, which reset its share of "client fault" answers, so an
+    encoder answering 501 to everything kept passing its 501s to every honest client (10 of 10) while a
+    throttled client sent a request before each. A key's refusals say nothing of a server's other
+    answers."""
+
+    def answer(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response | None:
+        if request.headers.get("authorization") == "Bearer over-quota":
+            return vllm_error(429, "Rate limit exceeded for this key")
+        return vllm_error(501, "Not implemented") if server == E1 else None
+
+    fleet = Fleet(answer)
+    app, _ = middleware_of(fleet, [E0, E1], forward_authorization=True, canary_api_key="canary")
+    statuses = []
+    for seed in range(20):
+        throttled = await post(
+            app, chat_body(image(png(seed))), headers={"authorization": "Bearer over-quota"}
+        )
+        assert throttled.status_code == 429
+        for other in (0, 1):  # two honest requests a round: round-robin sends one of them to each encoder
+            honest = await post(
+                app, chat_body(image(png(100 + 2 * seed + other))), headers={"authorization": "Bearer good"}
+            )
+            statuses.append(honest.status_code)
+    assert fleet.calls[E1] >= 10  # honest requests reached the broken encoder
+    assert statuses.count(501) <= 3
+    assert statuses[-20:] == [200] * 20
+    assert pool_of(app).record(E1).blamed["server"] >= 3
+
+
+async def test_an_encoder_that_breaks_after_long_service_is_doubted_after_a_few_answers() -> None:
+    """Its earlier successes keep its share of "client fault" answers under half for six more answers
+    (the share decays by 0.9 an answer); three in a row are worth its canary."""
+    broken = False
+
+    def answer(server: str, body: dict[str, Any], request: httpx.Request) -> httpx.Response | None:
+        return vllm_error(501, "Not implemented") if broken and server == E1 else None
+
+    fleet = Fleet(answer)
+    app, _ = middleware_of(fleet, [E0, E1])
+    for seed in range(24):  # a long healthy service
+        assert (await post(app, chat_body(image(png(seed))))).status_code == 200
+    broken = True
+    statuses = [(await post(app, chat_body(image(png(100 + seed))))).status_code for seed in range(20)]
+    assert statuses.count(501) <= 3, statuses
+    assert statuses[-10:] == [200] * 10
