@@ -41,6 +41,7 @@ there says the first server's answer was its own (:meth:`Ledger.contradicted`: `
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 from urllib.parse import urlsplit
@@ -117,8 +118,13 @@ class _Failed(NamedTuple):
 
 class _Doubted(NamedTuple):
     role: str
+    # The call (one item's or batch's failover) it belongs to: another call's success or answer, for
+    # other items, says nothing of it.
+    call: int
     server: str
-    status: int
+    # The answer's status and vLLM's message (addresses and numbers in it made alike): what must be
+    # the same for two servers to agree.
+    said: tuple[int, str]
     # The answer as the server gave it: what the client gets if no other server says otherwise.
     answer: UpstreamError
 
@@ -137,21 +143,20 @@ class Ledger:
         # The calls carry the client's own Authorization header (forward_authorization).
         self.credentials_forwarded = credentials_forwarded
 
-    def judge(self, server: str, failure: UpstreamError) -> Verdict:
-        """The verdict on ``failure`` of a call to ``server``. ``suspect``: this request failed the
-        same way on another server; whether that makes it the request's fault is for :meth:`settle`
-        to say, once the server is known to be healthy or not on its own."""
+    def judge(self, server: str, failure: UpstreamError, call: int = 0) -> Verdict:
+        """The verdict on ``failure`` of ``call`` (a token of the call: its doubted answers are its own)
+        to ``server``. ``suspect``: this request failed the same way on another server; whether that
+        makes it the request's fault is for :meth:`settle` to say, once the server is known to be
+        healthy or not on its own."""
         if not failure.retryable:
-            said = _said_by_server(failure)
-            if said is None:
+            if _said_by_server(failure) is None:
                 return Verdict("request", failure)
-            return self._agreed(server, Verdict("request", failure, doubtable=True), said)
+            return self._agreed(server, Verdict("request", failure, doubtable=True), call)
         if not failure.blames_server:
             return Verdict("none", failure)
         at_fault = self._request_at_fault(failure)
         if at_fault is not None:
-            assert isinstance(failure, UpstreamStatusError)
-            return self._agreed(server, at_fault, failure.status_code)
+            return self._agreed(server, at_fault, call)
         signature = _signature(failure)
         again = signature is not None and any(
             earlier.role == failure.role and earlier.server != server and earlier.signature == signature
@@ -166,56 +171,68 @@ class Ledger:
             return Verdict("suspect", failure)
         return self._count(server, failure, signature)
 
-    def doubt(self, server: str, verdict: Verdict) -> Verdict:
+    def doubt(self, server: str, verdict: Verdict, call: int = 0) -> Verdict:
         """A doubtable verdict the pool does not trust: the call goes to another server, nobody counted
         yet (``credentials`` for a refused client key, else ``doubted``)."""
         answer = verdict.error
-        status = answer.status if isinstance(answer, UpstreamRejected) else 0
-        self._doubted.append(_Doubted(answer.role, server, status, answer))
-        retried = UpstreamStatusError(server, status, _detail(answer), role=answer.role)
+        said = _said(answer)
+        self._doubted.append(_Doubted(answer.role, call, server, said, answer))
+        retried = UpstreamStatusError(server, said[0], _detail(answer), role=answer.role)
         return Verdict("credentials" if verdict.blame == "credentials" else "doubted", retried)
 
-    def contradicted(self, role: str) -> list[tuple[str, Verdict]]:
-        """A call of ``role`` succeeded: each server whose answer for it was doubted, and its verdict
-        now (``unmasked``: its own failure, counted; ``capped`` where this request already counted
-        one)."""
-        found = [entry for entry in self._doubted if entry.role == role]
+    def contradicted(self, role: str, call: int = 0) -> list[tuple[str, Verdict]]:
+        """``call`` succeeded: each server whose answer to it was doubted, and its verdict now
+        (``unmasked``: its own failure, counted; ``media`` where the request fetches media by URL,
+        whose host may answer each server otherwise, so the success says nothing of the first)."""
+        found = [entry for entry in self._doubted if entry.call == call and entry.role == role]
         if not found:
             return []
-        self._doubted = [entry for entry in self._doubted if entry.role != role]
+        self._doubted = [entry for entry in self._doubted if entry not in found]
+        remote = self._remote_media()
         verdicts = []
         for entry in found:
-            failure = UpstreamStatusError(entry.server, entry.status, _detail(entry.answer), role=role)
-            counted = self._count(entry.server, failure, None)
-            if counted.blame == "server":
-                counted = counted._replace(blame="unmasked")
-            verdicts.append((entry.server, counted))
+            failure = UpstreamStatusError(entry.server, entry.said[0], _detail(entry.answer), role=role)
+            if remote:
+                verdicts.append((entry.server, Verdict("media", failure)))
+                continue
+            # Not capped: the same items were served elsewhere, so the request was not at fault, and
+            # every server that refused them failed on its own.
+            self._failed.append(_Failed(role, entry.server, None, True))
+            verdicts.append((entry.server, Verdict("unmasked", failure)))
         return verdicts
 
-    def final(self, failure: UpstreamError) -> UpstreamError:
-        """The error a call answers with when no server is left to try after ``failure``: a doubted
+    def final(self, failure: UpstreamError, call: int = 0) -> UpstreamError:
+        """The error ``call`` answers with when no server is left to try after ``failure``: a doubted
         answer no other server contradicted (the request's, as its server said); the request's own
         answer where it is a failed fetch of the request's media (no other server said otherwise);
         else ``failure`` itself."""
         for entry in self._doubted:
-            if entry.role == failure.role:
+            if entry.call == call and entry.role == failure.role:
                 return entry.answer
         if isinstance(failure, UpstreamStatusError) and self._fetch_failed(failure):
             return _rejected(failure, failure.detail, "the request's own media could not be fetched")
         return failure
 
-    def _agreed(self, server: str, verdict: Verdict, status: int) -> Verdict:
+    def _agreed(self, server: str, verdict: Verdict, call: int) -> Verdict:
         """``verdict`` on a client-fault answer: no longer doubtable where another server's doubted
-        answer said the same (the request's fault, by two servers), which vindicates that server."""
-        role = verdict.error.role
-        for index, entry in enumerate(self._doubted):
-            if entry.role == role and entry.server != server and entry.status == status:
-                del self._doubted[index]
-                # Two refusals of a client's key say nothing of either server's other answers: only an
-                # answer about the request vindicates the server that gave it first.
-                vindicate = entry.server if verdict.blame == "request" else None
-                return verdict._replace(doubtable=False, vindicate=vindicate)
+        answer to the same call said the same (status and vLLM's message: the request's fault, by two
+        servers), which vindicates that server. Two refusals of a client's key say nothing of either
+        server's other answers: only an answer about the request vindicates the server that gave it."""
+        answer = verdict.error
+        said = _said(answer)
+        for entry in self._doubted:
+            if entry.call != call or entry.role != answer.role or entry.server == server:
+                continue
+            if verdict.blame == "credentials" and entry.said[0] == said[0]:
+                return verdict._replace(doubtable=False)
+            if verdict.blame == "request" and entry.said == said:
+                return verdict._replace(doubtable=False, vindicate=entry.server)
         return verdict
+
+    def _remote_media(self) -> bool:
+        if self._hosts is None:
+            self._hosts = _media_hosts(self._media)
+        return bool(self._hosts)
 
     def settle(self, server: str, failure: UpstreamError, *, server_healthy: bool) -> Verdict:
         """The verdict on a ``suspect`` failure: the request's, where ``server`` is healthy on its own
@@ -261,10 +278,9 @@ class Ledger:
     def _names_own_media(self, message: str) -> bool:
         """Whether vLLM's error message names a host of this request's media (aiohttp's messages name
         the host or the URL it failed to fetch)."""
-        if self._hosts is None:
-            self._hosts = _media_hosts(self._media)
-        if not self._hosts:
+        if not self._remote_media():
             return False
+        assert self._hosts is not None
         said = message.lower()
         return any(f"host {host}:" in said or f"://{host}" in said for host in self._hosts)
 
@@ -278,6 +294,18 @@ def _said_by_server(failure: UpstreamError) -> int | None:
     if isinstance(failure, UpstreamRejected) and failure.evidence == _SERVERS_ANSWER:
         return failure.status_code
     return None
+
+
+# What varies between two servers' otherwise equal messages: object addresses, ids, counts.
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
+def _said(answer: UpstreamError) -> tuple[int, str]:
+    """A client-fault answer as two servers' are compared: its status and vLLM's message, with
+    addresses and numbers made alike (PIL's messages name an object's address)."""
+    status = answer.status_code if isinstance(answer, (UpstreamRejected, UpstreamStatusError)) else 0
+    message = answer.message if isinstance(answer, UpstreamRejected) else ""
+    return status, _VARYING.sub("#", message)
 
 
 def _detail(answer: UpstreamError) -> VllmError | None:

@@ -239,6 +239,14 @@ class ModelGate:
         served = sorted(expectation.names & health.names)
         return served[0] if served else None
 
+    def serves(self, server: str, model: str) -> bool:
+        """Whether ``model`` is known to be served by ``server``: one of this server's own names, or one
+        ``server`` listed (GET /v1/models)."""
+        expectation, health = self.expectation, self._pool.known(server)
+        return (expectation is not None and model in expectation.names) or (
+            health is not None and model in health.names
+        )
+
     def unserved_aliases(self, server: str) -> frozenset[str]:
         """The names this server answers to that ``server`` (a match) does not serve."""
         expectation, health = self.expectation, self._pool.known(server)

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ._answers import answer
 from ._asgi import first_header, replay
 from ._context import RequestContext
-from ._logs import logger, new_request_id, request_scope
+from ._logs import logger, request_id_of, request_scope
 from ._pipeline import Pipeline
 from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
@@ -76,9 +76,8 @@ class Exchange:
         self.given_id = False
 
     async def run(self) -> None:
-        given = first_header(self.scope["headers"], REQUEST_ID_HEADER)
-        self.request_id = given.decode("latin-1") if given is not None else new_request_id()
-        self.given_id = given is not None
+        self.given_id = first_header(self.scope["headers"], REQUEST_ID_HEADER) is not None
+        self.request_id = request_id_of(self.scope["headers"])
         with request_scope(self.request_id):
             await self._run()
 

@@ -20,8 +20,9 @@ import anyio
 
 from ._blame import Ledger, Verdict
 from ._canary import Canary
+from ._http import body_size
 from ._logs import logger
-from ._pool import ServerPool
+from ._pool import Health, ServerPool
 from ._probes import confirm_failing, proves_healthy
 from ._tracing import call_span, inject, record
 from ._upstream import Attempt, DeadlinePassed, post_once
@@ -71,6 +72,7 @@ class _Failover(Generic[T]):
         "deadline",
         "headers",
         "ledger",
+        "opinion",
         "path",
         "pool",
         "preferred",
@@ -96,10 +98,19 @@ class _Failover(Generic[T]):
         self.attempt, self.headers, self.preferred = attempt, headers, preferred
         self.deadline, self.ledger, self.canary = deadline, ledger, canary
         self.traced = False
+        # The second opinion this call's next try gives on a doubted answer, where it asked for one.
+        self.opinion: _Opinion | None = None
         self.tried: list[str] = []
         self.why: list[tuple[str, str]] = []  # each failed try, for the error when none is left
 
     async def run(self, first: str) -> T:
+        try:
+            return await self._over_servers(first)
+        finally:
+            if self.opinion is not None:  # asked for, and no try left to give it: others go on
+                self.opinion.set()
+
+    async def _over_servers(self, first: str) -> T:
         pool = self.pool
         server: str | None = first
         last: UpstreamError | None = None
@@ -111,24 +122,33 @@ class _Failover(Generic[T]):
                 last = self._not_used(server)
                 server = self._next()
                 continue
+            # This try may be the second opinion on a doubted answer: once it is judged, the requests
+            # waiting for that opinion go on.
+            opinion, self.opinion = self.opinion, None
             try:
-                result = await self._try(server)
-            except UpstreamError as exc:
-                last, blame = await self._failed(server, exc)  # raises the request's own answer
-                failed, server = server, self._next()
-                if server is not None:
-                    pool.stats.failover(pool.role, pool.label(failed))
-                # A retry of an answer doubted, or of a client key refused, is no trouble of a server's
-                # yet (a bad request's own line says it): a warning comes if the next server unmasks it.
-                logger.log(
-                    logging.DEBUG if blame in _NOT_YET_ANYONES else logging.WARNING,
-                    "%s%s",
-                    last.logged,
-                    f"; retrying on {server}" if server else f"; no {pool.role} left to try",
-                )
-                continue
-            await self._contradicted()
-            return result
+                try:
+                    result = await self._try(server)
+                except UpstreamError as exc:
+                    last, blame = await self._failed(server, exc)  # raises the request's own answer
+                else:
+                    await self._contradicted()
+                    return result
+            finally:
+                if opinion is not None:
+                    opinion.set()
+            # A doubted answer goes to the server whose word is the most trusted: another with a high
+            # share of such answers is no independent witness.
+            failed, server = server, self._next(most_trusted=blame == "doubted")
+            if server is not None:
+                pool.stats.failover(pool.role, pool.label(failed))
+            # A retry of an answer doubted, or of a client key refused, is no trouble of a server's yet
+            # (a bad request's own line says it): a warning comes if the next server unmasks it.
+            logger.log(
+                logging.DEBUG if blame in _NOT_YET_ANYONES else logging.WARNING,
+                "%s%s",
+                last.logged,
+                f"; retrying on {server}" if server else f"; no {pool.role} left to try",
+            )
         assert last is not None
         raise self._none_left(last)
 
@@ -169,7 +189,7 @@ class _Failover(Generic[T]):
             raise
         took = time.perf_counter() - started
         pool.stats.call(pool.role, label, "ok", took)
-        pool.record_latency(server, took, this.work)
+        pool.record_latency(server, took, this.work, body_size(this.body))
         pool.record_success(server)
         pool.answered(server, rejected=False)
         return result
@@ -197,19 +217,27 @@ class _Failover(Generic[T]):
         """Who is at fault for ``exc``: the ledger's verdict, settled by the server's own health where
         the request failed the same way elsewhere, and doubted where the pool does not take the
         server's word that the request is at fault."""
-        pool, ledger = self.pool, self.ledger
-        verdict = ledger.judge(server, exc)
+        pool, ledger, call = self.pool, self.ledger, id(self)
+        verdict = ledger.judge(server, exc, call)
         if verdict.blame == "suspect":  # failed as on another server: the request's fault if this one is well
             healthy = await proves_healthy(pool, self.transport, server, self.canary) is None
             return ledger.settle(server, exc, server_healthy=healthy)
         if verdict.blame == "request" and (verdict.doubtable or verdict.vindicate is not None):
             pool.answered(server, rejected=True)  # its word that the request is at fault
-        if not verdict.doubtable:
+        if verdict.vindicate is not None and pool.doubts(server, anyio.current_time())[0]:
+            # It agrees with the doubted server, but its own word is doubted too: two servers broken
+            # alike are no evidence against the request. A third says, where there is one.
+            if self._may_try_another():
+                return ledger.doubt(server, verdict._replace(vindicate=None), call)
+            return verdict._replace(vindicate=None)
+        if not verdict.doubtable or not pool.is_member(server):
+            # A server outside the pool (a scheduler named it) is trusted as it answers: it is no
+            # member of the shared pool to protect, and the operator's canary key is not for it.
             return verdict
         if verdict.blame == "credentials":
             # A client key one server refuses may be one its key list lacks: another server says.
             more = self._may_try_another()
-            return ledger.doubt(server, verdict) if more else verdict
+            return ledger.doubt(server, verdict, call) if more else verdict
         doubted, stands_out = pool.doubts(server, anyio.current_time())
         if not doubted:
             return verdict
@@ -217,22 +245,33 @@ class _Failover(Generic[T]):
         if problem is not None:
             # It cannot do its job on its own either: the answer was its own failure.
             logger.warning("%s %s: %s, and %s", pool.role, server, verdict.error.logged, problem)
-            return ledger.judge(server, _own_failure(verdict.error, problem))
-        if stands_out and self._may_try_another():
-            return ledger.doubt(server, verdict)
-        return verdict
+            return ledger.judge(server, _own_failure(verdict.error, problem), call)
+        if not (stands_out and self._may_try_another()):
+            return verdict
+        health = pool.record(server)
+        while health.second_opinion is not None:
+            # Another request's second opinion on this server's answers is under way: one for all.
+            await health.second_opinion.wait()
+            if health.vindicated_until > anyio.current_time():
+                return verdict
+        health.second_opinion = self.opinion = _Opinion(health)
+        return ledger.doubt(server, verdict, call)
 
     async def _contradicted(self) -> None:
         """The call succeeded: every server whose answer to it was doubted gave its own failure."""
         pool = self.pool
-        for server, verdict in self.ledger.contradicted(pool.role):
+        for server, verdict in self.ledger.contradicted(pool.role, id(self)):
             pool.blamed(server, verdict.blame)
             logger.warning(
-                "%s %s answered %s, but another %s served the request: its own failure",
+                "%s %s answered %s, but another %s served the request: %s",
                 pool.role,
                 server,
                 verdict.error.reason,
                 pool.role,
+                "its own failure"
+                if verdict.blame == "unmasked"
+                else "counted against nobody (the request's media is fetched by URL, whose host may "
+                "answer each server otherwise)",
             )
             if verdict.blame == "unmasked" and pool.suspect(
                 server, anyio.current_time(), verdict.error.reason
@@ -250,9 +289,11 @@ class _Failover(Generic[T]):
         self.why.append((server, failure.reason))
         return failure
 
-    def _next(self) -> str | None:
+    def _next(self, *, most_trusted: bool = False) -> str | None:
         if len(self.tried) >= self.pool.policy.max_attempts:
             return None
+        if most_trusted:
+            return self.pool.most_trusted(self.tried, anyio.current_time())
         return self.pool.failover_target(self.tried, anyio.current_time(), self.preferred)
 
     def _may_try_another(self) -> bool:
@@ -264,10 +305,29 @@ class _Failover(Generic[T]):
     def _none_left(self, last: UpstreamError) -> UpstreamError:
         """The error when no server is left: the request's own answer where the ledger holds one (vLLM's
         words, not the servers tried), else the last failure, naming every server tried."""
-        last = self.ledger.final(last)
+        last = self.ledger.final(last, id(self))
         if last.retryable and len(self.why) > 1:
             last.tried(self.why)
         return last
+
+
+class _Opinion:
+    """A second opinion on a server's doubted answer, under way: the requests doubting the same server
+    meanwhile wait for it rather than each paying a call (a proof of health is shared alike)."""
+
+    __slots__ = ("done", "health")
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+        self.done = anyio.Event()
+
+    async def wait(self) -> None:
+        await self.done.wait()
+
+    def set(self) -> None:
+        if self.health.second_opinion is self:
+            self.health.second_opinion = None
+        self.done.set()
 
 
 def _own_failure(answer: UpstreamError, problem: str) -> UpstreamError:

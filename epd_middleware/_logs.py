@@ -16,13 +16,15 @@ import re
 import secrets
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import msgspec
 
-__all__ = ["adopt_vllm_logging", "log_as_json", "logger", "new_request_id", "request_scope"]
+from ._protocol import REQUEST_ID_HEADER
+
+__all__ = ["adopt_vllm_logging", "log_as_json", "logger", "new_request_id", "request_id_of", "request_scope"]
 
 logger = logging.getLogger("epd_middleware")
 
@@ -72,7 +74,9 @@ logger.addFilter(_RequestIdFilter())
 def request_scope(request_id: str) -> Iterator[str]:
     """Every line logged inside (by this task and those it starts) is about request ``request_id``;
     yields the id as the log shows it."""
-    shown = "".join(char if " " <= char <= "~" else "?" for char in request_id[:_MAX_ID])
+    # Printable ASCII but the space and the colon, which would let an id end early: "victim-7: answered
+    # 200" would write a line read as another request's.
+    shown = "".join(char if "!" <= char <= "~" and char != ":" else "?" for char in request_id[:_MAX_ID])
     token = _request_id.set(shown)
     try:
         yield shown
@@ -152,3 +156,12 @@ class _RequestIds:
 
 
 new_request_id = _RequestIds()
+
+
+def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The request's id: the client's X-Request-Id where it sent one (the first; vLLM takes it too),
+    else a new one."""
+    for name, value in headers:
+        if name == REQUEST_ID_HEADER:
+            return value.decode("latin-1")
+    return new_request_id()

@@ -156,8 +156,11 @@ def _gif(head: bytes) -> tuple[int, int] | None:
                 return _MORE
             x0, y0, frame_width, frame_height = struct.unpack("<HHHH", head[at + 1 : at + 9])
             return max(width, x0 + frame_width), max(height, y0 + frame_height)
-        if kind != 0x21:  # the trailer, or no GIF Pillow reads: the screen's size
-            return width, height
+        if kind == 0x3B:  # the trailer before any frame: Pillow finds no image ("image not found")
+            return None
+        if kind != 0x21:  # a byte Pillow does not know between blocks: it passes over it
+            at += 1
+            continue
         at, in_extension = at + 2, True  # an extension: its label, then its sub-blocks
     return None
 

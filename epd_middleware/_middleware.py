@@ -13,17 +13,18 @@ import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
-from ._asgi import first_header, route_path, send_error, send_json
+from ._answers import answer
+from ._asgi import first_header, route_path, send_json
 from ._exchange import Exchange
 from ._llmd import SCHEDULER_HEADERS
-from ._logs import adopt_vllm_logging, log_as_json, logger
+from ._logs import adopt_vllm_logging, log_as_json, logger, request_id_of, request_scope
 from ._pipeline import Pipeline
 from ._probes import probe_forever
 from ._raw_media import RawMediaGuard
 from ._status import status_page
 from ._surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
 from .config import EPDConfig, EPDOptions
-from .errors import StartupFailed, Unauthorized
+from .errors import EPDError, MethodNotAllowed, StartupFailed, Unauthorized
 from .host import Host
 from .transport import HTTPClient, HttpxTransport, Transport
 
@@ -125,8 +126,8 @@ class EPDMiddleware:
             await self._status(scope, send)
         elif (
             scope["type"] in ("http", "websocket")
-            and self._raw_media.guards(scope)
             and (host := self._hosts.of(scope)).local_encoding_blocker is not None
+            and self._raw_media.guards(scope)
             # Whom vLLM refuses, it refuses first (401), before anything is read.
             and host.authorizes(scope["headers"])
         ):
@@ -150,14 +151,24 @@ class EPDMiddleware:
     async def _status(self, scope: Scope, send: Send) -> None:
         """GET the status page: encoders, their health and load, counters. Behind the API keys."""
         host = self._hosts.of(scope)
+        refused: EPDError | None = None
         if scope["method"] not in ("GET", "HEAD"):
-            await send_json(
-                send, 405, {"error": {"message": "use GET", "type": "MethodNotAllowedError", "code": 405}}
-            )
+            refused = MethodNotAllowed("use GET")
         elif not host.authorizes(scope["headers"]):
-            await send_error(send, Unauthorized())
-        else:
+            refused = Unauthorized()
+        if refused is None:
             await send_json(send, 200, status_page(self._pipeline, host))
+            return
+        config, request_id = self.config, request_id_of(scope["headers"])
+        with request_scope(request_id):
+            await answer(
+                send,
+                refused,
+                request_id=request_id,
+                id_header=host.request_id_headers,
+                expose=False,
+                retry_after=config.retry_after,
+            )
 
     async def _startup_checks(self, scope: Scope) -> str | None:
         """Once the app started: ask every encoder and prefill server what it serves (DNS names looked

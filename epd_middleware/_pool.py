@@ -112,13 +112,13 @@ class Health:
     kept: int = 0
     # Its successful calls' recent latency (a moving average, in seconds), and how much slower than the
     # fastest call of their size they have been lately (a moving average of the ratio): the waiting it
-    # adds now (_placement.py). Calls compare within a size class (the vision tokens they ask for, by
-    # powers of two), so a large call is never taken for a slow small one.
+    # adds now (_placement.py). Calls compare within a size class (the vision tokens they ask for and
+    # their bytes, each by powers of two), so a large call is never taken for a slow small one.
     latency: float = 0.0
     slowdown: float = 0.0
     # When its slowdown was last measured (time.monotonic()): a verdict no call renews goes stale.
     slowdown_at: float = 0.0
-    fastest: dict[int, float] = field(default_factory=dict)
+    fastest: dict[tuple[int, int], float] = field(default_factory=dict)
     # Its recent answers (decayed counts): all of them, and those that said the request was at fault
     # (a 4xx, 501). A server whose share of the latter stands out may be hiding its own failure behind
     # "the client's fault" (_failover.py doubts it); until ``vindicated_until`` such answers of its are
@@ -129,6 +129,8 @@ class Health:
     # Its "client fault" answers in a row: a server that breaks after long service keeps a share under
     # half for several answers (the earlier successes weigh), but not a streak.
     rejected_streak: int = 0
+    # A second opinion on its doubted answers under way (_failover.py), which others wait for.
+    second_opinion: Any = None
     # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
     server_load: int | None = None
     # False once it answered that it tracks no load: not asked again.
@@ -281,18 +283,19 @@ class ServerPool:
 
     # Health ------------------------------------------------------------------------------------------
 
-    def record_latency(self, url: str, seconds: float, work: int | None = None) -> None:
-        """A successful call's duration and the ``work`` it asked for (an encoder call's vision tokens):
-        the moving averages (the last calls weigh most) of its latency and, where its work is known, of
-        its slowdown over the fastest call of its size class (the work, by powers of two). A call's
-        bytes say nothing of its work (a flat 1000 x 1000 PNG is a few kilobytes), so a call of unknown
-        work does not weigh in its slowdown."""
+    def record_latency(self, url: str, seconds: float, work: int | None = None, size: int = 0) -> None:
+        """A successful call's duration, the ``work`` it asked for (an encoder call's vision tokens) and
+        its body's ``size`` in bytes: the moving averages (the last calls weigh most) of its latency
+        and, where its work is known, of its slowdown over the fastest call of its size class. The
+        class is both, each by powers of two: a flat 1000 x 1000 PNG of a few kilobytes is much work in
+        few bytes, a 56 x 56 one padded with megabytes after its end little work in many, and neither is
+        a slow call of the small photos' class. A call of unknown work does not weigh in."""
         health = self.record(url)
         health.latency = seconds if not health.latency else 0.8 * health.latency + 0.2 * seconds
         if work is None:
             return
         health.slowdown_at = time.monotonic()
-        size_class = work.bit_length()
+        size_class = (work.bit_length(), size.bit_length())
         fastest = min(health.fastest.get(size_class, seconds), seconds)
         health.fastest[size_class] = fastest
         ratio = seconds / fastest if fastest > 0 else 1.0
@@ -341,6 +344,14 @@ class ServerPool:
         # also fails honest requests is doubted again once the vindication ends.
         health.rejections = max(0.0, health.rejections - 1.0)
         health.rejected_streak = 0
+
+    def most_trusted(self, tried: Sequence[str], now: float) -> str | None:
+        """The available member not yet tried whose share of "client fault" answers is the lowest (none
+        yet counts as none): where a doubted answer is tried (round-robin's next may be broken alike)."""
+        candidates = [url for url in self.available(now) if url not in tried]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda url: self.rejection_share(url) or 0.0)
 
     def has_other(self, tried: Sequence[str], now: float, preferred: Sequence[str] = ()) -> bool:
         """Whether :meth:`failover_target` would find a server not yet tried (without taking a turn of

@@ -1,7 +1,7 @@
 """Active health: every ``health_check_interval`` seconds each member of a pool is asked ``GET /health``
 (a recovered server comes back, a silent one counts a failure), and, while the servers must serve this
-server's model, those not known to serve it are asked what they serve again. And the confirmation a
-server's ejection waits for after its calls failed (:func:`confirm_failing`).
+server's model, what it serves (``GET /v1/models``: a mismatch, or names it no longer serves). And the
+confirmation a server's ejection waits for after its calls failed (:func:`confirm_failing`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ._logs import logger
 from ._pool import Proof, ServerPool
 from ._protocol import CHAT_COMPLETIONS_PATH, LOAD_PATH, SERVER_LOAD
 from ._upstream import post_once
-from .errors import UpstreamError, UpstreamStatusError
+from .errors import UpstreamError, UpstreamRejected, UpstreamStatusError
 from .transport import HTTPError, Transport, UnsendableRequest
 
 __all__ = ["confirm_failing", "probe", "probe_forever", "proves_healthy"]
@@ -45,7 +45,9 @@ async def probe(
         for url in pool.members:
             group.start_soon(one, url)
     if pool.models.expectation is not None:
-        await pool.models.check(transport, (), headers, recheck=True)
+        # Every member, matching or not: one restarted with fewer --served-model-name aliases answers
+        # 404 to a name it listed before, and its names are what the calls to it are mapped by.
+        await pool.models.check(transport, pool.members, headers)
 
 
 async def _ask_load(pool: ServerPool, transport: Transport, url: str, headers: Mapping[str, str]) -> None:
@@ -151,7 +153,8 @@ async def _canary_problem(pool: ServerPool, transport: Transport, url: str, cana
     """Why the canary encode says ``url`` cannot encode, or None. An answer about the canary's key (429:
     a quota; 401, 403 to a canary that carries no key) says nothing of encoding: it proves nothing
     either way, and /health stands alone."""
-    attempt = canary.attempt(pool.models.name_for(url, canary.model))
+    name = pool.models.name_for(url, canary.model) or canary.model
+    attempt = canary.attempt(name)
     try:
         reply = await post_once(
             transport,
@@ -178,6 +181,20 @@ async def _canary_problem(pool: ServerPool, transport: Transport, url: str, cana
                 url,
                 exc.status_code,
                 "" if canary.carries_key else " (set canary_api_key for encoders that take keys)",
+            )
+            return None
+        return f"the canary encode failed: {exc.reason}"
+    except UpstreamRejected as exc:
+        if not pool.models.serves(url, name):
+            # A request for a name no one said is served (a client's, where this server's own names are
+            # not known): the server's 404 says nothing of its encoding.
+            logger.info(
+                "%s %s answered the canary encode for %r HTTP %d, a name not known to be served: its "
+                "health rests on /health",
+                pool.role,
+                url,
+                name,
+                exc.status_code,
             )
             return None
         return f"the canary encode failed: {exc.reason}"

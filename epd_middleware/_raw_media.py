@@ -8,11 +8,13 @@ websocket, a surface this deployment does not intercept) would wait the whole pu
 with a bare 500, holding a place in the engine meanwhile. Such a request is refused at once, in OpenAI's
 shape, with the reason and its request id; a request without media passes untouched.
 
-Which routes: those the running app serves (its POST routes and its websockets), less the ones known
-to hand the engine no media (:data:`~._protocol.NO_MEDIA_ROUTES`), so a route the next vLLM adds is
-guarded without a change here; where the app's routes cannot be read, vLLM 0.32's media routes
-(:data:`~._protocol.MEDIA_ROUTES`, :data:`~._protocol.MEDIA_WEBSOCKETS`). A body is read as vLLM reads it
-(``json.loads`` of the bytes: UTF-8, -16 or -32, told by a BOM or the zero bytes of its first characters).
+Which routes: the one the running app's router takes the request to (its POST routes, mounts and
+websockets, matched as the router matches them: path parameters, mounts, routes added since start),
+less those known to hand the engine no media (:data:`~._protocol.NO_MEDIA_ROUTES`), so a route the next
+vLLM adds is guarded without a change here; where the app's routes cannot be read, vLLM 0.32's media
+routes (:data:`~._protocol.MEDIA_ROUTES`, :data:`~._protocol.MEDIA_WEBSOCKETS`). A body is read as vLLM
+reads it (``json.loads`` of the bytes: UTF-8, -16 or -32, told by a BOM or the zero bytes of its first
+characters).
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Match, Mount, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._answers import answer
 from ._asgi import first_header, replay, route_path
-from ._logs import new_request_id, request_scope
+from ._logs import request_id_of, request_scope
 from ._metrics import Stats
-from ._protocol import MEDIA_KEYS, MEDIA_ROUTES, MEDIA_WEBSOCKETS, NO_MEDIA_ROUTES, REQUEST_ID_HEADER
+from ._protocol import MEDIA_KEYS, MEDIA_ROUTES, MEDIA_WEBSOCKETS, NO_MEDIA_ROUTES
 from .config import EPDConfig
 from .errors import BodyTooLarge, EPDError
 from .host import Host
@@ -52,41 +54,42 @@ class MediaNotServedHere(EPDError):
     status = 501
 
 
-class _Routes:
-    """The paths guarded: POST routes and websockets that may hand the engine media."""
-
-    __slots__ = ("posts", "websockets")
-
-    def __init__(self, posts: frozenset[str], websockets: frozenset[str]) -> None:
-        self.posts = posts
-        self.websockets = websockets
-
-
 class RawMediaGuard:
     """Refuses media on a Mooncake consumer's routes that the middleware does not intercept. One per
     middleware; the routes are read from the app once it shows them (its first request)."""
 
-    __slots__ = ("_config", "_intercepted", "_routes", "_stats")
+    __slots__ = ("_config", "_intercepted", "_stats")
 
     def __init__(self, config: EPDConfig, intercepted: Iterable[str], stats: Stats) -> None:
         self._config = config
         self._intercepted = frozenset(intercepted)
         self._stats = stats
-        self._routes: _Routes | None = None
 
     def guards(self, scope: Scope) -> bool:
-        """Whether ``scope`` is a request to a route that may hand the engine media (a POST or a
-        websocket)."""
-        routes = self._routes or self._read_routes(scope)
-        if scope["type"] == "websocket":
-            return route_path(scope) in routes.websockets
-        return scope["method"] == "POST" and route_path(scope) in routes.posts
+        """Whether ``scope`` (HTTP or a websocket) is a request to a route of the app that may hand the
+        engine media: the route the app's own router would take it to (matched as it matches, so a
+        path parameter, a mount, a route added since start all count), a POST route but one known to
+        take no media, a mount, a websocket; by vLLM 0.32's list where the app shows no routes."""
+        path, websocket = route_path(scope), scope["type"] == "websocket"
+        if path in self._intercepted or (not websocket and scope["method"] != "POST"):
+            return False
+        routes = getattr(scope.get("app"), "routes", None)
+        if not isinstance(routes, list) or not routes:
+            return path in (MEDIA_WEBSOCKETS if websocket else MEDIA_ROUTES - self._intercepted)
+        for route in routes:
+            if not isinstance(route, BaseRoute) or route.matches(scope)[0] is not Match.FULL:
+                continue
+            if isinstance(route, Mount):
+                return True  # another app under a prefix: what it runs is not known here
+            if websocket:
+                return isinstance(route, WebSocketRoute)
+            return isinstance(route, Route) and getattr(route, "path", None) not in NO_MEDIA_ROUTES
+        return False
 
     async def __call__(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send, host: Host) -> None:
         """Refuse the request where it carries media (a websocket always: its media comes later, in
         messages no one here reads), else pass it on as it came."""
-        given = first_header(scope["headers"], REQUEST_ID_HEADER)
-        request_id = given.decode("latin-1") if given is not None else new_request_id()
+        request_id = request_id_of(scope["headers"])
         blocker = host.local_encoding_blocker
         assert blocker is not None
         with request_scope(request_id):
@@ -155,33 +158,6 @@ class RawMediaGuard:
             expose=self._config.expose_upstream_addresses,
             retry_after=self._config.retry_after,
         )
-
-    def _read_routes(self, scope: Scope) -> _Routes:
-        routes = _app_routes(scope.get("app"))
-        if routes is None:  # not a Starlette app, or not yet: vLLM 0.32's, and look again next time
-            return _Routes(MEDIA_ROUTES - self._intercepted, MEDIA_WEBSOCKETS)
-        posts, websockets = routes
-        self._routes = _Routes(posts - NO_MEDIA_ROUTES - self._intercepted, websockets)
-        return self._routes
-
-
-def _app_routes(app: Any) -> tuple[frozenset[str], frozenset[str]] | None:
-    """The app's POST paths and websocket paths (a path with parameters matches no one path: vLLM's are
-    all media-free, ``/v1/responses/{response_id}/cancel``); None where it shows no routes."""
-    routes = getattr(app, "routes", None)
-    if not isinstance(routes, list) or not routes:
-        return None
-    posts: set[str] = set()
-    websockets: set[str] = set()
-    for route in routes:
-        path = getattr(route, "path", None)
-        if not isinstance(path, str) or "{" in path:
-            continue
-        if isinstance(route, WebSocketRoute):
-            websockets.add(path)
-        elif isinstance(route, Route) and "POST" in (route.methods or ()):
-            posts.add(path)
-    return frozenset(posts), frozenset(websockets)
 
 
 def _refused(path: str, blocker: str) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "ForbiddenTarget",
     "MediaBudgetExceeded",
     "MediaRefused",
+    "MethodNotAllowed",
     "NoHealthyUpstream",
     "Overloaded",
     "RefusedField",
@@ -187,6 +188,10 @@ class MediaBudgetExceeded(EPDError):
     each encoder's share would pass."""
 
     status = 400
+
+
+class MethodNotAllowed(EPDError):
+    status = 405
 
 
 class ForbiddenTarget(EPDError):

@@ -50,7 +50,9 @@ def gif(
 
 HEADERS = [
     (png_rgba(40, 30), 40 * 30 * 4),
-    (b"GIF89a" + struct.pack("<HH", 640, 480) + b"\x00" * 20, 640 * 480 * 4),
+    # A screen of 640 x 480 with no frame in it ("GIF89a", the size, zeros) is no image Pillow opens
+    # (UnidentifiedImageError): its size is not known, below.
+    (gif((640, 480), (640, 480)), 640 * 480 * 4),
     (b"BM" + b"\x00" * 12 + struct.pack("<Iii", 40, 300, -200) + b"\x00" * 30, 300 * 200 * 4),
     (
         b"RIFF\x00\x00\x00\x00WEBPVP8X"
@@ -86,6 +88,8 @@ def test_the_decoded_size_is_read_from_the_image_header(data: bytes, expected: i
         data_url(b"not an image at all" * 10),
         "data:image/png;base64,!!!!",
         data_url(jpeg(10, 10)[:24]),  # cut inside the frame header
+        data_url(b"GIF89a" + struct.pack("<HH", 640, 480) + b"\x00" * 20),  # no frame
+        data_url(b"GIF89a" + struct.pack("<HH", 640, 480) + b"\x00\x00\x00;"),  # the trailer, no frame
     ],
 )
 def test_an_image_whose_size_is_not_known_counts_nothing(url: str) -> None:

@@ -673,7 +673,10 @@ async def test_a_probe_brings_an_ejected_server_back_on_a_healthy_answer_and_cou
     assert all(c.method == "GET" and c.headers == {"authorization": "Bearer k"} for c in health_checks)
 
 
-async def test_a_probe_asks_the_servers_not_known_to_serve_the_model_again() -> None:
+async def test_a_probe_asks_every_server_what_it_serves_again() -> None:
+    """Those not known to serve the model, and those that did: a server restarted with fewer
+    --served-model-name aliases answers 404 to a name it listed (issue 35's fourth attack: before, a
+    matching server's names were never read again)."""
     pool = pool_of(E0, E1)
     pool.models.expect(Expectation(frozenset({MODEL})))
     transport = FakeTransport({E0: vllm(models=["another-model"]), E1: vllm()})
@@ -684,7 +687,7 @@ async def test_a_probe_asks_the_servers_not_known_to_serve_the_model_again() -> 
     await probe(pool, transport, {})
     assert pool.available(anyio.current_time()) == (E0, E1)
     assert len(transport.to(E0, "/v1/models")) == 2
-    assert len(transport.to(E1, "/v1/models")) == 1  # known to match: not asked again
+    assert len(transport.to(E1, "/v1/models")) == 2  # known to match, asked again: its names may change
 
 
 async def test_probe_forever_probes_every_interval_and_never_when_the_interval_is_zero() -> None:
@@ -821,7 +824,10 @@ async def test_a_calls_latency_is_classed_by_the_work_it_asks_not_by_its_bytes()
     await failover.call(pool, transport, E0, CHAT, lambda server: Attempt(whole, read, 1296), {}, ())
     health = pool.known(E0)
     assert health is not None
-    assert sorted(health.fastest) == [(4).bit_length(), (1296).bit_length()]
+    assert sorted(health.fastest) == [
+        ((4).bit_length(), len(whole).bit_length()),
+        ((1296).bit_length(), len(whole).bit_length()),
+    ]
     await failover.call(pool, transport, E0, CHAT, lambda server: Attempt(whole, read), {}, ())
     assert len(health.fastest) == 2  # unknown work: no class of its own, and no slowdown sample
     # The call span still reports the bytes sent, whole or in pieces (_tracing.py).
