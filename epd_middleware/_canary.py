@@ -93,6 +93,10 @@ class Canary(NamedTuple):
     def carries_key(self) -> bool:
         return "authorization" in self.headers
 
+    def keyless(self) -> Canary:
+        """The same canary without the operator's key (for a server outside the pool)."""
+        return self._replace(headers={})
+
 
 def canary(model: str, storage: str | None, authorization: str | None) -> Canary:
     """The canary for encoders that serve ``model``; ``authorization``: the operator's key for it

@@ -230,9 +230,7 @@ class _Failover(Generic[T]):
             if self._may_try_another():
                 return ledger.doubt(server, verdict._replace(vindicate=None), call)
             return verdict._replace(vindicate=None)
-        if not verdict.doubtable or not pool.is_member(server):
-            # A server outside the pool (a scheduler named it) is trusted as it answers: it is no
-            # member of the shared pool to protect, and the operator's canary key is not for it.
+        if not verdict.doubtable:
             return verdict
         if verdict.blame == "credentials":
             # A client key one server refuses may be one its key list lacks: another server says.

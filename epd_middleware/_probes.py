@@ -119,6 +119,10 @@ async def proves_healthy(
     health-check timeout; None when it is. A proof holds for a health-check interval (5 s where probes
     are off), so a stream of failing requests costs the server one canary a while, not one each; and a
     proof under way is shared, so concurrent ones cost it one canary, not one each."""
+    if canary is not None and not pool.is_member(url):
+        # A server a scheduler named, outside the pool (a client can name any allowed address): the
+        # operator's key is for members only. A refusal of the keyless canary proves nothing.
+        canary = canary.keyless()
     health = pool.record(url)
     while True:
         if health.proven_until > anyio.current_time() and (canary is None or health.proven_by_canary):
