@@ -247,12 +247,12 @@ class _Failover(Generic[T]):
         if not (stands_out and self._may_try_another()):
             return verdict
         health = pool.record(server)
-        while health.second_opinion is not None:
+        while (under_way := health.second_opinion) is not None:
             # Another request's second opinion on this server's answers is under way: one for all.
-            await health.second_opinion.wait()
+            await under_way.wait()
             if health.vindicated_until > anyio.current_time():
                 return verdict
-        health.second_opinion = self.opinion = _Opinion(health)
+        self.opinion = _Opinion(health)
         return ledger.doubt(server, verdict, call)
 
     async def _contradicted(self) -> None:
@@ -291,7 +291,7 @@ class _Failover(Generic[T]):
         if len(self.tried) >= self.pool.policy.max_attempts:
             return None
         if most_trusted:
-            return self.pool.most_trusted(self.tried, anyio.current_time())
+            return self.pool.most_trusted(self.tried, anyio.current_time(), self.preferred)
         return self.pool.failover_target(self.tried, anyio.current_time(), self.preferred)
 
     def _may_try_another(self) -> bool:
@@ -317,13 +317,10 @@ class _Opinion:
 
     def __init__(self, health: Health) -> None:
         self.health = health
-        self.done = anyio.Event()
-
-    async def wait(self) -> None:
-        await self.done.wait()
+        self.done = health.second_opinion = anyio.Event()
 
     def set(self) -> None:
-        if self.health.second_opinion is self:
+        if self.health.second_opinion is self.done:
             self.health.second_opinion = None
         self.done.set()
 

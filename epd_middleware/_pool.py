@@ -129,8 +129,8 @@ class Health:
     # Its "client fault" answers in a row: a server that breaks after long service keeps a share under
     # half for several answers (the earlier successes weigh), but not a streak.
     rejected_streak: int = 0
-    # A second opinion on its doubted answers under way (_failover.py), which others wait for.
-    second_opinion: Any = None
+    # Set once the second opinion on its doubted answers under way is in (_failover.py): others wait.
+    second_opinion: anyio.Event | None = None
     # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
     server_load: int | None = None
     # False once it answered that it tracks no load: not asked again.
@@ -345,10 +345,15 @@ class ServerPool:
         health.rejections = max(0.0, health.rejections - 1.0)
         health.rejected_streak = 0
 
-    def most_trusted(self, tried: Sequence[str], now: float) -> str | None:
-        """The available member not yet tried whose share of "client fault" answers is the lowest (none
-        yet counts as none): where a doubted answer is tried (round-robin's next may be broken alike)."""
-        candidates = [url for url in self.available(now) if url not in tried]
+    def most_trusted(self, tried: Sequence[str], now: float, preferred: Sequence[str] = ()) -> str | None:
+        """The server not yet tried (of ``preferred`` and the available members) whose share of "client
+        fault" answers is the lowest (none yet counts as none): where a doubted answer is tried
+        (round-robin's next may be broken alike)."""
+        usable = [url for url in preferred if url not in tried and self.usable(url, now)]
+        candidates = [
+            *usable,
+            *(url for url in self.available(now) if url not in tried and url not in usable),
+        ]
         if not candidates:
             return None
         return min(candidates, key=lambda url: self.rejection_share(url) or 0.0)
