@@ -70,8 +70,8 @@ _SERVERS_ANSWER = "the server's answer"
 # another. (``suspect`` is a verdict on the way, never counted: :meth:`Ledger.settle` turns it into one of
 # these.)
 # ``doubted``: a client-fault answer of a server not trusted (its share of them stands out), counted
-# against nobody yet and tried on another server; ``unmasked``: a doubted answer another server
-# contradicted by serving the request: the first server's own failure, counted against it.
+# against nobody yet and tried on another server; ``unmasked``: a doubted answer shown to be the server's
+# own failure (another server served the request, or its canary failed too), counted against it.
 BLAMES = (
     "server",
     "request",
@@ -200,6 +200,12 @@ class Ledger:
             self._failed.append(_Failed(role, entry.server, None, True))
             verdicts.append((entry.server, Verdict("unmasked", failure)))
         return verdicts
+
+    def unmask(self, server: str, failure: UpstreamError) -> Verdict:
+        """A "client fault" answer shown to be the server's own failure by its canary (which failed
+        too): counted as ``unmasked`` (``capped`` where this request already cost a server a failure)."""
+        verdict = self._count(server, failure, None)
+        return verdict._replace(blame="unmasked") if verdict.blame == "server" else verdict
 
     def final(self, failure: UpstreamError, call: int = 0) -> UpstreamError:
         """The error ``call`` answers with when no server is left to try after ``failure``: a doubted

@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 # Verdicts that fail a call over without a server's fault yet: a doubted answer, a refused client key.
 _NOT_YET_ANYONES = frozenset({"doubted", "credentials"})
+# Verdicts that count towards a server's ejection.
+_COUNTED = frozenset({"server", "unmasked"})
 
 
 async def call(
@@ -209,7 +211,7 @@ class _Failover(Generic[T]):
             logger.debug("%s; the request is at fault: not tried on another %s", failure.logged, pool.role)
             raise failure from None
         self.why.append((server, failure.reason))
-        if verdict.blame == "server" and pool.suspect(server, anyio.current_time(), failure.reason):
+        if verdict.blame in _COUNTED and pool.suspect(server, anyio.current_time(), failure.reason):
             await confirm_failing(pool, self.transport, server, self.canary)
         return failure, blame
 
@@ -243,7 +245,7 @@ class _Failover(Generic[T]):
         if problem is not None:
             # It cannot do its job on its own either: the answer was its own failure.
             logger.warning("%s %s: %s, and %s", pool.role, server, verdict.error.logged, problem)
-            return ledger.judge(server, _own_failure(verdict.error, problem), call)
+            return ledger.unmask(server, _own_failure(verdict.error, problem))
         if not (stands_out and self._may_try_another()):
             return verdict
         health = pool.record(server)
