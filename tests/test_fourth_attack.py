@@ -587,8 +587,9 @@ async def test_an_image_padded_past_its_end_is_no_slowdown_of_small_images() -> 
         if request.url.path == "/health":
             return httpx.Response(200)
         body = json.loads(request.content)
-        if len(request.content) > 1_000_000:
-            await anyio.sleep(0.3)  # megabytes to read and decode
+        # Every encode takes a while (a floor, so that a loaded test machine's jitter is no slowdown of
+        # its own), and megabytes to read and decode much longer.
+        await anyio.sleep(0.3 if len(request.content) > 1_000_000 else 0.03)
         return encoded(body, request)
 
     engine = FakeEngine()
