@@ -27,8 +27,11 @@ def png_rgba(width: int = 800, height: int = 600, squares: Any = SQUARES, side: 
     for y in range(height):
         row = bytearray(width * 4)
         for (x0, y0), color in squares:
-            if y0 <= y < y0 + side:
-                row[x0 * 4 : (x0 + side) * 4] = bytes(color) * side
+            # A square moved past the right edge is cut there: a slice past the row's end would lengthen
+            # the row, and the PNG would not decode (every shift over 120 sent vLLM a broken image).
+            visible = min(x0 + side, width) - x0
+            if y0 <= y < y0 + side and visible > 0:
+                row[x0 * 4 : (x0 + visible) * 4] = bytes(color) * visible
         rows.append(b"\x00" + bytes(row))
 
     def chunk(kind: bytes, data: bytes) -> bytes:

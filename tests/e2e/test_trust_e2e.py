@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from epd_lab import servers as lab
-from epd_lab.seed import seed_request
+from epd_lab.seed import SQUARES, data_url, png_rgba, seed_request
 from epd_middleware._plan import content_uuid
 
 from .conftest import Deployment
@@ -32,7 +32,6 @@ from .test_vllm_e2e import (
     _sample,
     assert_same,
     chat,
-    image,
     metadata_only_body,
     planned_calls,
     record,
@@ -96,9 +95,16 @@ def trust_pd(deployment: Deployment) -> Iterator[TrustPD]:
         gateway.close()
 
 
+def trust_image(shift: int) -> str:
+    """A variant of the seed image of this file's own: its squares moved ``shift`` pixels to the right
+    (the other e2e files move them diagonally), so no other test sends it and stores its embedding
+    first (every lab PD shares one uuid key: what one stores, all reuse)."""
+    return data_url(png_rgba(squares=[((x + shift, y), color) for (x, y), color in SQUARES]))
+
+
 def images_first_on(encoders: list[str], port: int, shifts: range, count: int) -> list[str]:
     """``count`` distinct images (of ``shifts``) that content affinity sends to ``encoders[port]`` first."""
-    found = [url for shift in shifts if planned_calls(encoders, [url := image(shift=shift)])[port]]
+    found = [url for shift in shifts if planned_calls(encoders, [url := trust_image(shift)])[port]]
     assert len(found) >= count, (len(found), count)
     return found[:count]
 
@@ -217,12 +223,12 @@ def test_a_throttled_client_key_is_the_clients_answer_and_ejects_no_encoder(
         # Three over-quota requests in a row between honest ones: had each counted against the encoders
         # (as before), the first three would have ejected one.
         for _ in range(3 if round_ < 4 else 0):
-            response = chat(pd, seed_request(MODEL, images=[image(shift=next(shifts))]), THROTTLED)
+            response = chat(pd, seed_request(MODEL, images=[trust_image(next(shifts))]), THROTTLED)
             record("over-quota key behind the gateway", response)
             assert response.status_code == 429, response.text
             assert response.json()["error"]["message"] == THROTTLED_MESSAGE
             throttled += 1
-        body = seed_request(MODEL, images=[image(shift=next(shifts))])
+        body = seed_request(MODEL, images=[trust_image(next(shifts))])
         baseline = chat(deployment.single, body)
         response = chat(pd, body, HONEST)
         record("honest key beside an over-quota one", response, baseline)
@@ -267,14 +273,14 @@ def test_an_embedding_planted_under_the_public_uuid_never_reaches_pd(deployment:
     reach an encoder could have another image encoded under the uuid a victim's image would get, and the
     victim's request loaded that embedding from the shared storage instead of its own. Now the uuid is
     keyed by the fleet's secret: the planted file sits in the storage, unused."""
-    victim = image(shift=505)
+    victim = trust_image(505)
     victim_body = seed_request(MODEL, images=[victim])
     victim_baseline = chat(deployment.single, victim_body)
     assert victim_baseline.status_code == 200, victim_baseline.text
     # An image whose answer differs from the victim's (random weights: not every one does).
     planted = planted_baseline = None
     for shift in (0, 260, 120, 400, 40, 180):
-        candidate = image(shift=shift)
+        candidate = trust_image(shift)
         answer = chat(deployment.single, seed_request(MODEL, images=[candidate]))
         if answer.status_code == 200 and not same_answer(answer, victim_baseline):
             planted, planted_baseline = candidate, answer
