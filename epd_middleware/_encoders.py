@@ -86,6 +86,8 @@ class EncodeJob(NamedTuple):
     traced: bool = False
     # Each item's vision tokens where known (_placement.item_tokens): the work its call asks for.
     work: Mapping[ItemKey, int | None] = MappingProxyType({})
+    # Each call's answer is its own encoder's, no failover (the equivalence probe tests that encoder).
+    pinned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +144,7 @@ async def encode(pool: ServerPool, transport: Transport, job: EncodeJob) -> Enco
                 ledger=job.ledger,
                 canary=job.canary,
                 traced=job.traced,
+                attempts=1 if job.pinned else None,
             )
             return
         except DeadlinePassed:

@@ -128,6 +128,23 @@ class EncodeStage:
         )
         return Encoded(fields, note, pushed)
 
+    async def probe(
+        self, surface: Surface, request: ParsedRequest, context: RequestContext, encoder: str
+    ) -> Encoded:
+        """The equivalence probe's encode (:mod:`._equivalence`): every item on ``encoder`` and only
+        there, nothing reused, nothing placed here, no fallback, so that the answer the engine gives
+        with these handles is that encoder's. Its failure is raised (an UpstreamError)."""
+        found = self._items(surface, request, context)
+        calls = plan_calls(found.items, [(encoder,)] * len(found.items), self.config.max_batch_size)
+        job = self._job(surface, request, context, found, calls, {})._replace(
+            stop_at_first_failure=True, canary=None, pinned=True
+        )
+        outcome = await encode(self.pool, context.transport, job)
+        fields = self._engine_fields(
+            surface, request, context, found, _NOTHING_REUSED, outcome.handles, frozenset()
+        )
+        return Encoded(fields, None, context.push_to is not None and bool(outcome.handles))
+
     def _tokens(
         self, request: ParsedRequest, context: RequestContext, found: _Items, to_encode: tuple[MediaItem, ...]
     ) -> dict[ItemKey, int | None]:

@@ -51,6 +51,7 @@ async def call(
     ledger: Ledger | None = None,
     canary: Canary | None = None,
     traced: bool = False,
+    attempts: int | None = None,
 ) -> T:
     """POST to ``first``, then to other servers while the call fails in a way another server may not
     (up to ``max_attempts`` servers): ``preferred`` in order, then available members round-robin. A
@@ -59,9 +60,11 @@ async def call(
     :class:`~._upstream.DeadlinePassed` once ``deadline`` (event-loop time) has passed, whatever the
     attempt. ``attempt(server)`` makes each try afresh (its body, and how its answer is read);
     ``canary``: the call that proves a server healthy on its own besides its /health (an encoder's
-    canary encode)."""
+    canary encode); ``attempts``: at most this many servers (None: the pool's ``max_attempts``; 1: the
+    answer is ``first``'s own, as the equivalence probe needs)."""
     over = _Failover(pool, transport, path, attempt, headers, preferred, deadline, ledger or Ledger(), canary)
     over.traced = traced
+    over.attempts = attempts or pool.policy.max_attempts
     return await over.run(first)
 
 
@@ -70,6 +73,7 @@ class _Failover(Generic[T]):
 
     __slots__ = (
         "attempt",
+        "attempts",
         "canary",
         "deadline",
         "headers",
@@ -100,6 +104,7 @@ class _Failover(Generic[T]):
         self.attempt, self.headers, self.preferred = attempt, headers, preferred
         self.deadline, self.ledger, self.canary = deadline, ledger, canary
         self.traced = False
+        self.attempts = pool.policy.max_attempts
         # The second opinion this call's next try gives on a doubted answer, where it asked for one.
         self.opinion: _Opinion | None = None
         self.tried: list[str] = []
@@ -116,7 +121,7 @@ class _Failover(Generic[T]):
         pool = self.pool
         server: str | None = first
         last: UpstreamError | None = None
-        while server is not None and len(self.tried) < pool.policy.max_attempts:
+        while server is not None and len(self.tried) < self.attempts:
             if self.deadline is not None and anyio.current_time() >= self.deadline:
                 raise DeadlinePassed
             self.tried.append(server)
@@ -290,7 +295,7 @@ class _Failover(Generic[T]):
         return failure
 
     def _next(self, *, most_trusted: bool = False) -> str | None:
-        if len(self.tried) >= self.pool.policy.max_attempts:
+        if len(self.tried) >= self.attempts:
             return None
         if most_trusted:
             return self.pool.most_trusted(self.tried, anyio.current_time(), self.preferred)
@@ -298,7 +303,7 @@ class _Failover(Generic[T]):
 
     def _may_try_another(self) -> bool:
         pool = self.pool
-        return len(self.tried) < pool.policy.max_attempts and pool.has_other(
+        return len(self.tried) < self.attempts and pool.has_other(
             self.tried, anyio.current_time(), self.preferred
         )
 

@@ -98,6 +98,20 @@ class _Prometheus:
             "size_unknown).",
             ["where", "why"],
         )
+        self.equivalence_checks = prom.Counter(
+            "epd_equivalence_checks",
+            "Equivalence probes of an encoder (E + PD against PD alone, or against the other encoders "
+            "where PD cannot encode), by result: match, mismatch, disagree (no majority among encoders), "
+            "unproven (no other encoder to compare with), error (a path got no answer), skipped (the "
+            "engine was busy).",
+            ["encoder", "result"],
+        )
+        self.equivalence_mismatched = prom.Gauge(
+            "epd_equivalence_mismatched",
+            "1 while the latest equivalence probe of the encoder found its answers differ, else 0.",
+            ["encoder"],
+            multiprocess_mode="livemax",
+        )
         self.pool_members = prom.Gauge(
             "epd_pool_members",
             "Servers in a pool now (static URLs plus DNS answers), by role.",
@@ -308,6 +322,13 @@ class Stats:
         self.counters[f"placement_{where}_{why}"] += 1
         if self._prom is not None:
             self._child(self._prom.placements, where, why).inc()
+
+    def equivalence(self, encoder: str, result: str) -> None:
+        self.counters[f"equivalence_{result}"] += 1
+        if self._prom is not None:
+            self._child(self._prom.equivalence_checks, encoder, result).inc()
+            if result != "skipped":
+                self._child(self._prom.equivalence_mismatched, encoder).set(1 if result == "mismatch" else 0)
 
     def encoder_source(self, source: str) -> None:
         self.counters[f"encoders_chosen_by_{source}"] += 1

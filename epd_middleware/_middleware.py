@@ -15,6 +15,7 @@ from typing_extensions import Unpack
 
 from ._answers import answer
 from ._asgi import first_header, route_path, send_json
+from ._equivalence import Engine, Equivalence, EquivalencePolicy
 from ._exchange import Exchange
 from ._llmd import SCHEDULER_HEADERS
 from ._logs import adopt_vllm_logging, log_as_json, logger, request_id_of, request_scope
@@ -94,6 +95,7 @@ class EPDMiddleware:
             HttpxTransport(http_client) if http_client is not None else transport, config
         )
         self._hosts = _Hosts(host, config)
+        self._equivalence = Equivalence(equivalence_policy(config), self._pipeline)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -124,6 +126,8 @@ class EPDMiddleware:
             await exchange.run()
         elif scope["type"] == "http" and self._status_path and route_path(scope) == self._status_path:
             await self._status(scope, send)
+        elif scope["type"] == "http" and self._status_path and route_path(scope) == self._equivalence_path:
+            await self._probe_now(scope, send)
         elif (
             scope["type"] in ("http", "websocket")
             and (host := self._hosts.of(scope)).local_encoding_blocker is not None
@@ -136,6 +140,14 @@ class EPDMiddleware:
             await self._lifespan(scope, receive, send)
         else:
             await self.app(scope, receive, send)
+
+    @property
+    def equivalence(self) -> Equivalence:
+        return self._equivalence
+
+    @property
+    def _equivalence_path(self) -> str:
+        return self._status_path.rstrip("/") + "/equivalence"
 
     def _intercepts(self, scope: Scope) -> Surface | None:
         surface = self._surfaces.get(route_path(scope))
@@ -157,7 +169,7 @@ class EPDMiddleware:
         elif not host.authorizes(scope["headers"]):
             refused = Unauthorized()
         if refused is None:
-            await send_json(send, 200, status_page(self._pipeline, host))
+            await send_json(send, 200, status_page(self._pipeline, host, self._equivalence))
             return
         config, request_id = self.config, request_id_of(scope["headers"])
         with request_scope(request_id):
@@ -168,6 +180,32 @@ class EPDMiddleware:
                 id_header=host.request_id_headers,
                 expose=False,
                 retry_after=config.retry_after,
+            )
+
+    async def _probe_now(self, scope: Scope, send: Send) -> None:
+        """POST the equivalence path: one equivalence probe now (``check --canary``), its report.
+        Behind the API keys; a run under way, or one of the last 10 s, is the answer (no caller can
+        make the engine run probes back to back)."""
+        host = self._hosts.of(scope)
+        refused: EPDError | None = None
+        if scope["method"] != "POST":
+            refused = MethodNotAllowed("use POST")
+        elif not host.authorizes(scope["headers"]):
+            refused = Unauthorized()
+        if refused is None:
+            engine = Engine(self.app, scope, host, self._transports.open())
+            report = await self._equivalence.run_once(engine, fresh_within=10.0)
+            await send_json(send, 200, report)
+            return
+        request_id = request_id_of(scope["headers"])
+        with request_scope(request_id):
+            await answer(
+                send,
+                refused,
+                request_id=request_id,
+                id_header=host.request_id_headers,
+                expose=False,
+                retry_after=self.config.retry_after,
             )
 
     async def _startup_checks(self, scope: Scope) -> str | None:
@@ -223,12 +261,23 @@ class EPDMiddleware:
         failed: list[str],
     ) -> None:
 
+        started = anyio.Event()
+
+        async def equivalence(transport: Transport) -> None:
+            """The equivalence probe's schedule, from the end of a successful start (the engine is
+            up and the model known then)."""
+            await started.wait()
+            host = self._hosts.of(server_scope)
+            await self._equivalence.run_forever(Engine(self.app, server_scope, host, transport))
+
         async with anyio.create_task_group() as group:
 
             async def probe(transport: Transport) -> None:
                 headers = self._pipeline.probe_headers()
                 with probes:
                     async with anyio.create_task_group() as pools:
+                        if self.config.equivalence_interval > 0:
+                            pools.start_soon(equivalence, transport)
                         for discovery in self._pipeline.discoveries:
                             pools.start_soon(discovery.run)
                         for pool in (self._pipeline.encoders, self._pipeline.prefill):
@@ -257,6 +306,7 @@ class EPDMiddleware:
                         # As Starlette does after a failed start: the lifespan ends with the error, so
                         # that every server stops (hypercorn and test clients wait on the app otherwise).
                         raise StartupFailed(problem)
+                    started.set()
                 if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
                     probes.cancel()
                     await self._transports.aclose()
@@ -266,6 +316,18 @@ class EPDMiddleware:
                 await self.app(scope, receive_opening, send_closing)
             finally:
                 probes.cancel()
+
+
+def equivalence_policy(config: EPDConfig) -> EquivalencePolicy:
+    """What the equivalence probe reads of the configuration."""
+    return EquivalencePolicy(
+        interval=config.equivalence_interval,
+        tolerance=config.equivalence_tolerance,
+        eject=config.equivalence_eject,
+        tokens=config.equivalence_tokens,
+        options=config.equivalence_options,
+        max_pd_load=config.equivalence_max_pd_load,
+    )
 
 
 class _Hosts:

@@ -285,6 +285,14 @@ class Pipeline:
         finally:
             self.pending -= 1
 
+    async def probe(
+        self, surface: Surface, request: ParsedRequest, context: RequestContext, encoder: str
+    ) -> Prepared:
+        """The engine body of an equivalence probe through ``encoder`` alone (:mod:`._equivalence`):
+        none of a client's limits or slots, none of the pool's choices."""
+        encoded = await self._encode.probe(surface, request, context, encoder)
+        return Prepared(encode_fields(encoded.fields), encoded.pushed)
+
     # After the engine --------------------------------------------------------------------------------
 
     def engine_answered(self, request: ParsedRequest) -> None:

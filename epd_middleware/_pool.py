@@ -131,6 +131,9 @@ class Health:
     rejected_streak: int = 0
     # Set once the second opinion on its doubted answers under way is in (_failover.py): others wait.
     second_opinion: anyio.Event | None = None
+    # Why it is out of the pool because its answers differ from PD's own (the equivalence probe, with
+    # equivalence_eject); empty: they do not. Only a probe that matches again brings it back.
+    inequivalent: str = ""
     # The load vLLM reports for it (GET /load under --enable-server-load-tracking); None: not reported.
     server_load: int | None = None
     # False once it answered that it tracks no load: not asked again.
@@ -144,6 +147,8 @@ class Health:
                 f"ejected for {self.ejected_until - now:.1f} s more after {self.failures} failures in a row"
                 f" (last: {self.last_failure})"
             )
+        if self.inequivalent:
+            return f"out of the pool: {self.inequivalent}"
         if self.model == "mismatch":
             return f"serves another model: {self.served}"
         if self.model == "unreachable":
@@ -204,7 +209,10 @@ class ServerPool:
         if url in self._member_set:
             health = self.record(url)
             # Ejected until record_success (a probe or a call) brings it back, whatever the clock says.
-            self.stats.health(self.role, url, not health.ejected_until and health.model not in _NOT_HEALTHY)
+            healthy = (
+                not health.ejected_until and not health.inequivalent and health.model not in _NOT_HEALTHY
+            )
+            self.stats.health(self.role, url, healthy)
 
     def problems(self, now: float) -> list[str]:
         """Why each member that is not healthy is not, one ``url: why`` each."""
@@ -241,7 +249,9 @@ class ServerPool:
         return tuple(
             url
             for url in self.members
-            if health[url].ejected_until <= now and health[url].model not in UNUSABLE
+            if health[url].ejected_until <= now
+            and health[url].model not in UNUSABLE
+            and not health[url].inequivalent
         )
 
     def in_flight_by_server(self) -> dict[str, int]:
@@ -253,7 +263,9 @@ class ServerPool:
         """``url`` is not ejected at ``now`` and serves this server's model (members and strangers
         alike)."""
         health = self._health.get(url)
-        return health is None or (health.ejected_until <= now and health.model not in UNUSABLE)
+        return health is None or (
+            health.ejected_until <= now and health.model not in UNUSABLE and not health.inequivalent
+        )
 
     def reserve(self, count: int, among: int) -> int:
         """Claim ``count`` consecutive slots of the round-robin cursor over ``among`` servers.
@@ -428,6 +440,20 @@ class ServerPool:
             health.last_failure,
             f"; {why}" if why else "",
         )
+
+    def bar(self, url: str, why: str) -> None:
+        """Take ``url`` out of the pool until :meth:`unbar`: its answers differ from PD's own
+        (:mod:`._equivalence`), which no health check sees."""
+        health = self.record(url)
+        health.inequivalent = why
+        self.export_health(url)
+
+    def unbar(self, url: str) -> None:
+        health = self.known(url)
+        if health is not None and health.inequivalent:
+            health.inequivalent = ""
+            self.export_health(url)
+            logger.warning("%s %s back in the pool: its answers match again", self.role, url)
 
     def keep(self, url: str, why: str) -> None:
         """``url`` failed ``eject_after`` calls in a row but proved itself healthy: the failures were

@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 
+from ._equivalence import Equivalence
 from ._pipeline import Pipeline
 from .config import EPDConfig
 from .host import Host
@@ -15,7 +16,7 @@ from .host import Host
 __all__ = ["status_page"]
 
 
-def status_page(pipeline: Pipeline, host: Host) -> dict[str, Any]:
+def status_page(pipeline: Pipeline, host: Host, equivalence: Equivalence | None = None) -> dict[str, Any]:
     now = anyio.current_time()
     return {
         # Every API-server process has its own middleware state (--api-server-count).
@@ -37,6 +38,8 @@ def status_page(pipeline: Pipeline, host: Host) -> dict[str, Any]:
         "known_problems": host.known_problems,
         "handle_reuse": pipeline.reuse_status(host),
         "placement": pipeline.placement.status(host),
+        # Whether E + PD answers what PD alone would, per encoder (_equivalence.py).
+        "equivalence": equivalence.status(host) if equivalence is not None else None,
         # Whether media uuids are keyed by the fleet's secret (shared by every PD given it) or by this
         # process's own key (no encoded media shared with other processes).
         "uuid_key": "configured" if pipeline.uuid_key.shared else "this process's own",

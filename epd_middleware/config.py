@@ -7,6 +7,7 @@ environment are three spellings of the same model, so they cannot drift apart.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -229,6 +230,49 @@ class EPDConfig(BaseModel):
         description=(
             "adaptive: an encoder is saturated, too, with this many calls in flight from this process, "
             "or this load reported by its GET /load (vLLM's --enable-server-load-tracking)."
+        ),
+    )
+    equivalence_interval: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Seconds between equivalence probes: each encoder's E + PD answer to a built-in image "
+            "prompt compared with PD's own (0: no schedule; POST <status_path>/equivalence and "
+            "`epd-middleware check --canary` still run one). Runs at start-up too."
+        ),
+    )
+    equivalence_tolerance: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Largest logprob difference (nats) the two paths' answers may show at a position; None: by "
+            "the model's dtype (float32 0.02, float16 0.1, bfloat16 0.25)."
+        ),
+    )
+    equivalence_eject: bool = Field(
+        default=False,
+        description="Take an encoder whose answers differ out of the pool until a probe matches again.",
+    )
+    equivalence_tokens: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Tokens each probe request generates (greedy, with its top 5 logprobs).",
+    )
+    equivalence_options: dict[str, Any] = Field(
+        default_factory=lambda: {"media_io_kwargs": {"image": {"rgba_background_color": [0, 0, 0]}}},
+        description=(
+            "The non-default media options of the probe's second run, JSON (mm_processor_kwargs, "
+            "media_io_kwargs; {} runs the defaults only). Runs only where PD takes per-request options "
+            "(--trust-request-mm-kwargs)."
+        ),
+    )
+    equivalence_max_pd_load: int = Field(
+        default=4,
+        ge=1,
+        description=(
+            "A probe waits while the engine has this many unfinished requests or more (or more prompt "
+            "tokens to prefill than one step holds): clients come first."
         ),
     )
     eject_after: int = Field(
@@ -591,6 +635,25 @@ class EPDConfig(BaseModel):
             raise ValueError("encoder_api_key must be printable ASCII without leading or trailing spaces")
         return key
 
+    @field_validator("equivalence_options", mode="before")
+    @classmethod
+    def _check_equivalence_options(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except ValueError:
+                raise ValueError("equivalence_options must be a JSON object") from None
+        if not isinstance(value, dict):
+            raise ValueError("equivalence_options must be a JSON object")
+        unknown = sorted(set(value) - {"mm_processor_kwargs", "media_io_kwargs"})
+        if unknown:
+            raise ValueError(
+                f"equivalence_options takes mm_processor_kwargs and media_io_kwargs only, not {unknown}"
+            )
+        if not all(isinstance(options, dict) for options in value.values()):
+            raise ValueError("each of equivalence_options' values must be a JSON object")
+        return value
+
     @field_validator("canary_api_key")
     @classmethod
     def _check_canary_key(cls, key: str | None) -> str | None:
@@ -799,6 +862,12 @@ class EPDOptions(TypedDict, total=False):
     placement_pd_max_load: int
     placement_encoder_slowdown: float
     placement_encoder_busy_calls: int
+    equivalence_interval: float
+    equivalence_tolerance: float | None
+    equivalence_eject: bool
+    equivalence_tokens: int
+    equivalence_options: Mapping[str, Any]
+    equivalence_max_pd_load: int
     eject_after: int
     eject_cooldown: float
     max_eject_cooldown: float

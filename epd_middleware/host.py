@@ -92,6 +92,9 @@ class Host:
     # prefills (vLLM's max_num_batched_tokens): how long a request placed here waits for the GPU.
     engine_queued_tokens: Callable[[], int] | None = field(default=None, repr=False, compare=False)
     step_tokens: int | None = None
+    # The served model's dtype as vLLM runs it ("bfloat16", "float16", "float32"; None: not known): how
+    # closely two paths' logprobs can agree (_equivalence.py).
+    dtype: str | None = None
     # Pixels per side of one vision token of the served model (patch size x spatial merge), and the image
     # processor's pixel bounds, for estimating a request's vision tokens from its images' sizes.
     vision_token_side: int = 28
@@ -172,6 +175,7 @@ class Host:
             placement=config.placement if config else "remote",
             vision_token_side=_vision_token_side(vllm_config),
             step_tokens=_step_tokens(vllm_config),
+            dtype=_dtype(vllm_config),
             image_pixel_bounds=_image_pixel_bounds(vllm_config),
         )
         if config is not None:
@@ -490,6 +494,15 @@ def _step_tokens(vllm_config: object) -> int | None:
     """The tokens one engine step schedules (``scheduler_config.max_num_batched_tokens``), or None."""
     value = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _dtype(vllm_config: object) -> str | None:
+    """The model's dtype (``model_config.dtype``, a ``torch.dtype`` once resolved) by its name."""
+    value = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    return name if name.isidentifier() else None
 
 
 def _vision_token_side(vllm_config: object) -> int:

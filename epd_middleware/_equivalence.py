@@ -1,0 +1,450 @@
+"""The equivalence probe: proof, on the running fleet, that E + PD answers what PD alone would.
+
+At start-up and every ``equivalence_interval`` seconds, for each encoder, a built-in prompt (an image
+and a line of text; once with the defaults, once with non-default media options) runs twice through
+this server's engine, greedy, a few tokens with their top logprobs: once with the image encoded by that
+encoder and handed over through the EC connector (the path client requests take: this middleware's own
+encode stage, pinned to the encoder), once with the image left for the engine to encode itself. The two
+answers must agree: the same prompt length, the same tokens, logprobs within a tolerance. Where this
+server cannot encode (a Mooncake consumer waits for a push of every item), each encoder's answer is
+compared with the other encoders' instead. That is a weaker proof: encoders broken alike agree.
+
+Neither path may read the other's work, or an earlier run's: each runs under a ``cache_salt`` of its own
+(vLLM's prefix cache) and a media uuid of its own (the engine's encoder cache, the encoder's, the EC
+storage), drawn afresh every run.
+
+The probe is the server's own request, made in this process and handed to the wrapped app
+(:mod:`._in_process`): it takes none of the slots the middleware keeps for clients (``pending``), and
+it carries vLLM's own key through vLLM's own checks. It does not run while the engine is busy
+(``equivalence_max_pd_load``), and says so.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import secrets
+import struct
+import time
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import anyio
+from starlette.types import ASGIApp, Scope
+
+from ._comparison import Outcome, ProbeAnswer, answer_of, default_tolerance, judged_against, judged_among
+from ._in_process import ask_app
+from ._logs import logger
+from ._protocol import CACHE_SALT, CHAT_COMPLETIONS_PATH, DATA_PARALLEL_RANK_HEADER, MODEL, UUID
+from ._surfaces import openai_chat
+from .errors import EPDError, UpstreamError
+from .host import Host
+from .transport import Transport
+
+if TYPE_CHECKING:
+    from ._pipeline import Pipeline
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "Engine",
+    "Equivalence",
+    "EquivalencePolicy",
+    "Verdict",
+    "probe_fields",
+    "probe_image",
+]
+
+# The non-default options of the second run: generic vLLM media options that change what the encoder
+# sees (the probe image is transparent outside its squares, so the background colour matters).
+DEFAULT_OPTIONS: Mapping[str, Any] = {"media_io_kwargs": {"image": {"rgba_background_color": [0, 0, 0]}}}
+_PROMPT = "Describe this image."
+_TOP_LOGPROBS = 5
+# The probe's request -------------------------------------------------------------------------------------
+
+
+def probe_image(side: int = 112) -> str:
+    """The probe's image as a data URL: four coloured squares on a transparent field (so the background
+    colour option changes what is encoded), ``side`` pixels square (112: 16 vision tokens for Qwen2-VL,
+    within every vision model's minimum). Made here: no file ships with the package."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    colours = (b"\xd0\x30\x30\xff", b"\x30\xa0\x30\xff", b"\x30\x30\xd0\xff", b"\xe0\xc0\x20\x90")
+    quarter, rows = side // 4, []
+    for y in range(side):
+        row = bytearray(b"\0")
+        for x in range(side):
+            inside = quarter // 2 <= x % (side // 2) < quarter * 3 // 2 + quarter // 2
+            inside = inside and quarter // 2 <= y % (side // 2) < quarter * 3 // 2 + quarter // 2
+            row += colours[(y >= side // 2) * 2 + (x >= side // 2)] if inside else b"\0\0\0\0"
+        rows.append(bytes(row))
+    header = struct.pack(">IIBBBBB", side, side, 8, 6, 0, 0, 0)
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"".join(rows)))
+        + chunk(b"IEND", b"")
+    )
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+_IMAGE = probe_image()
+
+
+def probe_fields(
+    model: str, options: Mapping[str, Any], tokens: int, salt: str, uuid: str | None = None
+) -> dict[str, Any]:
+    """The probe's chat request: greedy, ``tokens`` tokens with their top logprobs, under its own
+    ``salt``; ``uuid``: the image's (the PD-alone path pins one of its own; the E + PD path's is the
+    middleware's, keyed by the salt)."""
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": _IMAGE}}
+    if uuid is not None:
+        part[UUID] = uuid
+    return {
+        MODEL: model,
+        "messages": [{"role": "user", "content": [part, {"type": "text", "text": _PROMPT}]}],
+        "temperature": 0,
+        "seed": 0,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": _TOP_LOGPROBS,
+        CACHE_SALT: salt,
+        **options,
+    }
+
+
+# The schedule and the verdicts --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EquivalencePolicy:
+    """What the configuration says of the probe (``equivalence_*``)."""
+
+    interval: float = 0.0  # 0: no schedule (a run on request still runs)
+    tolerance: float | None = None  # None: by the model's dtype
+    eject: bool = False
+    tokens: int = 4
+    options: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_OPTIONS))
+    max_pd_load: int = 4
+
+
+@dataclass
+class Verdict:
+    """One encoder's latest result: ``result`` (:data:`RESULTS`), what differed or how closely it
+    agreed, per variant, when (Unix time), and the largest logprob difference."""
+
+    result: str
+    detail: str
+    at: float
+    variants: dict[str, str] = field(default_factory=dict)
+    max_difference: float | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "result": self.result,
+            "detail": self.detail,
+            "at": round(self.at, 3),
+            "variants": dict(self.variants),
+            "max_logprob_difference": None
+            if self.max_difference is None or math.isinf(self.max_difference)
+            else round(self.max_difference, 6),
+        }
+
+
+class _Failed(Exception):
+    """One path of the probe got no answer to compare: why."""
+
+
+@dataclass
+class _Cost:
+    """What the probe has cost this process: runs, requests, tokens."""
+
+    runs: int = 0
+    skipped: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, reply: Mapping[str, Any]) -> None:
+        self.requests += 1
+        usage = reply.get("usage")
+        if isinstance(usage, dict):
+            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens += int(usage.get("completion_tokens") or 0)
+
+
+class Engine(NamedTuple):
+    """The engine the probe asks: the wrapped app, the server's lifespan scope, the host, the transport
+    to the encoders."""
+
+    app: ASGIApp
+    lifespan_scope: Scope
+    host: Host
+    transport: Transport
+
+
+class Equivalence:
+    """The probe's schedule, its runs, and every encoder's latest verdict (one per middleware)."""
+
+    def __init__(self, policy: EquivalencePolicy, pipeline: Pipeline) -> None:
+        self.policy = policy
+        self.pipeline = pipeline
+        self.verdicts: dict[str, Verdict] = {}
+        self.mode: str | None = None  # "pd_alone" or "encoders_compared", once a run said
+        self.last_run: float | None = None
+        self.last_skip: str | None = None
+        self.cost = _Cost()
+        self._lock = anyio.Lock()
+        self._report: dict[str, Any] | None = None
+
+    # Running ----------------------------------------------------------------------------------------
+
+    async def run_forever(self, engine: Engine) -> None:
+        """Run at start-up and every interval; a run skipped while the engine is busy is tried again
+        within a tenth of the interval (at most 30 s)."""
+        interval = self.policy.interval
+        while True:
+            report = await self.run_once(engine)
+            await anyio.sleep(min(interval / 10, 30.0) if report.get("skipped") else interval)
+
+    async def run_once(self, engine: Engine, *, fresh_within: float = 0.0) -> dict[str, Any]:
+        """One run over every encoder; its report. Runs never overlap: a caller that arrives while one
+        runs gets that run's report, as does one within ``fresh_within`` seconds of the last."""
+        if self._lock.locked() or (
+            self._report is not None
+            and self.last_run is not None
+            and time.time() - self.last_run < fresh_within
+        ):
+            async with self._lock:
+                pass
+            assert self._report is not None
+            return self._report
+        async with self._lock:
+            self._report = await self._run(engine)
+            return self._report
+
+    async def _run(self, engine: Engine) -> dict[str, Any]:
+        pipeline, host = self.pipeline, engine.host
+        encoders = self._encoders()
+        busy = self._busy(host)
+        model = self._model(host)
+        if busy is not None or model is None or not encoders:
+            why = busy or (
+                "no encoder to probe" if model is not None else "this server's model is not known yet"
+            )
+            self.cost.skipped += 1
+            self.last_skip = why
+            for url in encoders:
+                pipeline.stats.equivalence(url, "skipped")
+            logger.info("epd: equivalence probe skipped: %s", why)
+            return {"skipped": why, "ok": None, "encoders": {}}
+        self.cost.runs += 1
+        self.last_run, self.last_skip = time.time(), None
+        self.mode = "pd_alone" if host.local_encoding_blocker is None else "encoders_compared"
+        tolerance = (
+            self.policy.tolerance if self.policy.tolerance is not None else default_tolerance(host.dtype)
+        )
+        variants: dict[str, Mapping[str, Any]] = {"default": {}}
+        if self.policy.options and host.trusts_request_mm_kwargs:
+            variants["options"] = self.policy.options
+        results: dict[str, dict[str, Outcome]] = {url: {} for url in encoders}
+        for name, options in variants.items():
+            compared = await self._variant(engine, model, options, encoders, tolerance)
+            for url, outcome in compared.items():
+                results[url][name] = outcome
+        for url, outcome_of in results.items():
+            self._judge(url, outcome_of, tolerance)
+        report = {
+            "ok": all(self.verdicts[url].result in ("match", "unproven") for url in encoders),
+            "mode": self.mode,
+            "tolerance": tolerance,
+            "encoders": {url: self.verdicts[url].view() for url in encoders},
+        }
+        return report
+
+    async def _variant(
+        self,
+        engine: Engine,
+        model: str,
+        options: Mapping[str, Any],
+        encoders: Sequence[str],
+        tolerance: float,
+    ) -> dict[str, Outcome]:
+        """Each encoder's (result, detail, largest difference) for one variant of the prompt."""
+        nonce = secrets.token_hex(8)
+        tokens = self.policy.tokens
+        answers: dict[str, ProbeAnswer | str] = {}
+        for index, url in enumerate(encoders):
+            fields = probe_fields(model, options, tokens, f"epd-equivalence-{nonce}-e{index}")
+            try:
+                answers[url] = await self._through_encoder(engine, fields, url, f"{nonce}-e{index}")
+            except _Failed as exc:
+                answers[url] = str(exc)
+        if self.mode == "pd_alone":
+            local = probe_fields(
+                model, options, tokens, f"epd-equivalence-{nonce}-pd", f"epd-equivalence-{nonce}"
+            )
+            try:
+                reference = await self._ask(engine, local, f"{nonce}-pd")
+            except _Failed as exc:
+                return {url: ("error", f"PD alone got no answer: {exc}", None) for url in encoders}
+            return {
+                url: judged_against(reference, answer, tolerance, "PD alone")
+                for url, answer in answers.items()
+            }
+        return judged_among(answers, tolerance)
+
+    async def _through_encoder(
+        self, engine: Engine, fields: dict[str, Any], encoder: str, suffix: str
+    ) -> ProbeAnswer:
+        """The probe's answer with its image encoded by ``encoder`` (this middleware's encode stage,
+        pinned there) and the engine given the handles."""
+        pipeline, surface = self.pipeline, openai_chat.SURFACE
+        request = surface.parse(json.dumps(fields).encode())
+        assert request is not None  # the probe's own body, with its image
+        request_id = f"epd-equivalence-{suffix}"
+        context = pipeline.context(
+            request,
+            engine.host,
+            engine.transport,
+            request_id,
+            authorization=None,
+            headers=(),
+            surface=surface,
+        )
+        try:
+            prepared = await pipeline.probe(surface, request, context, encoder)
+        except (UpstreamError, EPDError) as exc:
+            raise _Failed(f"the encoder's call failed: {exc}") from None
+        rank = [(DATA_PARALLEL_RANK_HEADER, context.pin_rank)] if context.pin_rank else []
+        return await self._ask_body(engine, prepared.body, request_id, rank)
+
+    async def _ask(self, engine: Engine, fields: dict[str, Any], suffix: str) -> ProbeAnswer:
+        return await self._ask_body(engine, json.dumps(fields).encode(), f"epd-equivalence-{suffix}", [])
+
+    async def _ask_body(
+        self, engine: Engine, body: bytes, request_id: str, extra: list[tuple[bytes, bytes]]
+    ) -> ProbeAnswer:
+        keys = engine.host.vllm_api_keys
+        headers = [(b"authorization", f"Bearer {keys[0]}".encode()), *extra] if keys else extra
+        reply = await ask_app(
+            engine.app, engine.lifespan_scope, CHAT_COMPLETIONS_PATH, body, request_id, headers
+        )
+        try:
+            decoded = json.loads(reply.body)
+        except ValueError:
+            decoded = None
+        if reply.status != 200 or not isinstance(decoded, dict):
+            said = reply.body[:300].decode("utf-8", "replace")
+            raise _Failed(f"the engine answered HTTP {reply.status}: {said}")
+        self.cost.add(decoded)
+        try:
+            return answer_of(decoded)
+        except ValueError as exc:
+            raise _Failed(str(exc)) from None
+
+    # Judging ----------------------------------------------------------------------------------------
+
+    def _judge(self, url: str, outcomes: Mapping[str, Outcome], tolerance: float) -> None:
+        """The encoder's verdict over the variants: the worst of them; said, counted, and (with
+        ``equivalence_eject``) acted on."""
+        order = ("mismatch", "error", "disagree", "unproven", "match")
+        result = min((outcome[0] for outcome in outcomes.values()), key=order.index)
+        differences = [outcome[2] for outcome in outcomes.values() if outcome[2] is not None]
+        details = {name: outcome[1] for name, outcome in outcomes.items()}
+        detail = "; ".join(f"{name}: {text}" for name, text in details.items() if outcomes[name][0] == result)
+        previous = self.verdicts.get(url)
+        self.verdicts[url] = Verdict(
+            result, detail, time.time(), details, max(differences) if differences else None
+        )
+        pool = self.pipeline.encoders
+        self.pipeline.stats.equivalence(url, result)
+        if result == "mismatch":
+            logger.warning(
+                "epd: encoder %s does not answer what %s: %s (tolerance %g)%s",
+                url,
+                "PD alone answers" if self.mode == "pd_alone" else "the other encoders answer",
+                detail,
+                tolerance,
+                "; taken out of the pool until it does" if self.policy.eject else "",
+            )
+            if self.policy.eject:
+                pool.bar(url, f"its answers differ from {self._reference()}: {detail}")
+        elif result in ("error", "disagree"):
+            logger.warning("epd: equivalence probe of encoder %s: %s", url, detail)
+        else:
+            if previous is None or previous.result != result:
+                logger.info("epd: equivalence probe of encoder %s: %s (%s)", url, result, detail)
+            pool.unbar(url)
+
+    def _reference(self) -> str:
+        return "PD's own" if self.mode == "pd_alone" else "the other encoders'"
+
+    # What a run needs -------------------------------------------------------------------------------
+
+    def _encoders(self) -> list[str]:
+        """The encoders to probe: every member not ejected and serving this server's model (one taken
+        out for a mismatch included: a match brings it back)."""
+        pool, now = self.pipeline.encoders, anyio.current_time()
+        return [
+            url
+            for url in pool.members
+            if (health := pool.known(url)) is None
+            or (health.ejected_until <= now and health.model != "mismatch")
+        ]
+
+    def _busy(self, host: Host) -> str | None:
+        """Why the engine is too busy for a probe now (None: it is not): clients come first."""
+        load, policy = host.unfinished_requests(), self.policy
+        if load is not None and load >= policy.max_pd_load:
+            return f"the engine has {load} unfinished requests (equivalence_max_pd_load {policy.max_pd_load})"
+        queued, step = host.queued_tokens(), host.step_tokens
+        if queued is not None and step is not None and queued > step:
+            return f"the engine has {queued} prompt tokens to prefill, more than one step ({step})"
+        config = self.pipeline.config
+        if self.pipeline.pending * 2 >= config.max_pending_requests:
+            pending = self.pipeline.pending
+            return (
+                f"{pending} requests wait for encoders (max_pending_requests {config.max_pending_requests})"
+            )
+        return None
+
+    def _model(self, host: Host) -> str | None:
+        expectation = self.pipeline.expectation or host.expectation
+        names = sorted(expectation.names) if expectation is not None else []
+        return names[0] if names else None
+
+    # The status page --------------------------------------------------------------------------------
+
+    def status(self, host: Host) -> dict[str, Any]:
+        policy, cost = self.policy, self.cost
+        per_run = cost.requests / cost.runs if cost.runs else None
+        tokens_per_run = (cost.prompt_tokens + cost.completion_tokens) / cost.runs if cost.runs else None
+        return {
+            "interval_s": policy.interval,
+            "mode": self.mode or ("pd_alone" if host.local_encoding_blocker is None else "encoders_compared"),
+            "weaker_proof": host.local_encoding_blocker is not None,
+            "tolerance": policy.tolerance if policy.tolerance is not None else default_tolerance(host.dtype),
+            "dtype": host.dtype,
+            "eject": policy.eject,
+            "last_run": self.last_run,
+            "last_skipped": self.last_skip,
+            "encoders": {url: verdict.view() for url, verdict in self.verdicts.items()},
+            "cost": {
+                "runs": cost.runs,
+                "skipped": cost.skipped,
+                "requests": cost.requests,
+                "prompt_tokens": cost.prompt_tokens,
+                "completion_tokens": cost.completion_tokens,
+                "requests_per_run": per_run,
+                "tokens_per_run": tokens_per_run,
+                "requests_per_hour": per_run * 3600 / policy.interval
+                if per_run and policy.interval
+                else None,
+            },
+        }
