@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 
+from ._compat import Expectation
 from ._equivalence import Equivalence
 from ._pipeline import Pipeline
 from .config import EPDConfig
@@ -34,6 +35,8 @@ def status_page(pipeline: Pipeline, host: Host, equivalence: Equivalence | None 
         "client_references": _reference_status(host),
         "media_policy": _media_policy_status(host),
         "unguarded_routes": list(host.unguarded_routes),
+        # What this server serves, as its encoders must serve it (`check --pd` reads it).
+        "model": _model(pipeline.expectation or host.expectation),
         "model_runner": host.model_runner,
         "known_problems": host.known_problems,
         "handle_reuse": pipeline.reuse_status(host),
@@ -45,6 +48,12 @@ def status_page(pipeline: Pipeline, host: Host, equivalence: Equivalence | None 
         "uuid_key": "configured" if pipeline.uuid_key.shared else "this process's own",
         "config": pipeline.config.model_dump(mode="json", exclude=_SECRETS),
     }
+
+
+def _model(expectation: Expectation | None) -> dict[str, Any] | None:
+    if expectation is None:
+        return None
+    return {"names": sorted(expectation.names), "root": expectation.root}
 
 
 # The options that hold keys (hidden from repr too): never on the page.

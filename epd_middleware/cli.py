@@ -1,7 +1,7 @@
 """epd-middleware check: what an operator runs before and after a rollout.
 
-    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME] [--pd URL]
-                         [--timeout SECONDS] [--json]
+    epd-middleware check [--encoders URLS] [--prefill URLS] [--expected-model NAME]
+                         [--expected-root PATH] [--pd URL [--canary]] [--timeout SECONDS] [--json]
     python -m epd_middleware check ...
 
 Reads the same EPD_* environment as the middleware (flags override it), looks up the dns+http:// names,
@@ -11,8 +11,11 @@ a name that does not resolve, a status page that cannot be read) and one "warnin
 (an unknown EPD_* variable with the option it is nearest to, a URL whose /v1 is stripped, contradicting
 timeouts; warnings do not change the exit status).
 
-Exit status: 0 when every server is reachable and serves the expected model (without --expected-model:
-when they all serve the same); 1 when any is not; 2 when the configuration itself is wrong (the
+Exit status: 0 when every server is reachable and serves the expected model, from one model path (PD
+derives every embedding's hash from its own: servers of one name from two paths are not all usable, and
+without --expected-root or --pd nobody said which is right); without --expected-model, when they all
+serve the same (a lone server without an expectation is a warning: reachable, not known to be right);
+1 when any is not; 2 when the configuration itself is wrong (the
 environment, --pd or --timeout: every mistake named, one line each on stderr); 141 (128 + SIGPIPE)
 when whoever reads the output goes away before it is written, as in "check | head -1", quietly.
 
@@ -24,10 +27,18 @@ text names, configuration errors included) and pd.
 EPD_HEALTH_CHECK_TIMEOUT.
 
 --pd URL also reads the running PD server's status page (EPD_STATUS_PATH, with the first of
-EPD_API_KEYS, else VLLM_API_KEY, where keys are set): what the middleware inside it knows about vLLM
-there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes out as
-warnings; a status page that cannot be read (no answer, not JSON, nested too deep, of the wrong shape,
-over 8 MiB) is a problem. The URL is http(s)://HOST[:PORT]; a password in it is never shown.
+EPD_API_KEYS, else VLLM_API_KEY, where keys are set). PD's own model (its served names and model path)
+is what every server must serve; an --expected-model PD does not serve is a problem. PD's own verdict on
+each encoder counts too: one PD does not use (ejected, another model, out of the pool for answers that
+differ from its own) is a problem, whatever the command's own questions found. What the middleware knows
+about vLLM there (the model runner, known problems such as ECMooncakeConnector on the V1 runner) comes
+out as warnings; a status page that cannot be read (no answer, not JSON, nested too deep, of the wrong
+shape, over 8 MiB) is a problem. The URL is http(s)://HOST[:PORT]; a password in it is never shown.
+
+--canary (with --pd) runs PD's equivalence probe once (POST EPD_STATUS_PATH/equivalence): every
+encoder's answer to a built-in image prompt, through the real path (encoder, EC storage or push, PD's
+engine), compared with PD's own answer. A mismatch, a run PD skipped (busy) or could not make is a
+problem: the gate to run after every rollout.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import anyio
@@ -56,16 +67,12 @@ from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
 from ._logs import logger
 from ._metrics import Stats
+from ._pd_check import MAX_ANSWER, pd_expectation, pd_status, pd_verdicts, run_canary
 from ._pool import PoolPolicy, ServerPool
 from .config import ConfigurationError, EPDConfig, unknown_variables
-from .host import vllm_api_keys
 from .transport import Transport
 
 __all__ = ["MAX_ANSWER", "PIPE_CLOSED", "ServerReport", "check_fleet", "main"]
-
-# The largest answer the command reads from any server: a status page of thousands of servers, or a
-# /v1/models of many models, is far smaller; a server that says more is not read to the end.
-MAX_ANSWER = 8 * 1024 * 1024
 
 # The exit status when the reader of the output has gone (``check | head -1``): 128 + SIGPIPE, what a
 # shell reports for a command a closed pipe ends. Not 0 or 1 (Python's own exit status on EPIPE): those
@@ -125,12 +132,18 @@ async def _unresolved(url: str, limit: float) -> str | None:
 
 
 async def check_fleet(
-    config: EPDConfig, client: Transport, expected: str | None, limit: float | None = None
+    config: EPDConfig,
+    client: Transport,
+    expected: str | Expectation | None,
+    limit: float | None = None,
 ) -> tuple[list[ServerReport], list[str]]:
-    """One report per server, and the problems found before any server was asked (DNS). ``limit``: the
+    """One report per server, and the problems found before any server was asked (DNS). ``expected``: a
+    model name, or names and a model path (PD's own), that every server must serve. ``limit``: the
     seconds each server and each lookup has for each question (default: ``health_check_timeout``)."""
     headers = {"authorization": config.encoder_authorization} if config.encoder_authorization else {}
-    expectation = Expectation(frozenset({expected})) if expected else None
+    expectation = Expectation(frozenset({expected})) if isinstance(expected, str) and expected else None
+    if isinstance(expected, Expectation):
+        expectation = expected
     limit = config.health_check_timeout if limit is None else limit
     problems: list[str] = []
     servers: list[tuple[str, str]] = []
@@ -166,6 +179,7 @@ async def check_fleet(
 
     answered = [results[key][1] for key in servers if key in results]
     served_sets = {models.served for models in answered if models.state != "unreachable"}
+    roots = _roots_of_the_name(expectation, results)
     reports = []
     for role, url in servers:
         if (role, url) in unresolved:
@@ -177,7 +191,17 @@ async def check_fleet(
         if models.state == "unreachable":
             verdict = f"not usable: {models.served}"
         elif models.state == "mismatch":
-            verdict = f"serves another model (expected {expected})"
+            verdict = f"serves another model (expected {expectation.describe() if expectation else expected})"
+        elif len(roots) > 1:
+            # PD derives every embedding's hash from its own model path: of servers that serve its name
+            # from different paths, it uses only those of its own, and which that is, nobody said here.
+            mine = sorted(root for name, root in models.models if expectation and name in expectation.names)
+            verdict = (
+                f"serves {', '.join(sorted(expectation.names)) if expectation else ''} from "
+                f"{', '.join(mine) or 'no path'}, other servers from "
+                f"{', '.join(sorted(roots - set(mine)))}: PD uses only those of its own model path "
+                "(give --expected-root, or --pd to take PD's own)"
+            )
         elif health != "ok":
             verdict = f"health check: {health}"
         elif expectation is None and len(served_sets) > 1:
@@ -202,7 +226,23 @@ async def check_fleet(
     return reports, problems
 
 
-def _table(reports: Sequence[ServerReport], problems: Sequence[str]) -> str:
+def _roots_of_the_name(
+    expectation: Expectation | None, results: dict[tuple[str, str], tuple[tuple[str, float], Any]]
+) -> set[str]:
+    """The model paths the servers serve the expected name from, where the expectation names no path
+    (more than one: the servers are not all the model PD would accept)."""
+    if expectation is None or expectation.root is not None:
+        return set()
+    return {
+        root
+        for _, models in results.values()
+        if models.state == "ok"
+        for name, root in models.models
+        if name in expectation.names and root
+    }
+
+
+def _table(reports: Sequence[ServerReport], problems: Sequence[str], *, verified: bool = True) -> str:
     rows = [("ROLE", "URL", "REACHABLE", "MODEL", "HEALTH MS", "VERDICT")]
     for report in reports:
         rows.append(
@@ -221,7 +261,10 @@ def _table(reports: Sequence[ServerReport], problems: Sequence[str]) -> str:
         for row in rows
     ]
     lines.extend(f"problem: {problem}" for problem in problems)
-    lines.append("all servers ok" if not problems else f"{len(problems)} problem(s)")
+    if problems:
+        lines.append(f"{len(problems)} problem(s)")
+    else:
+        lines.append("all servers ok" if verified else "no problem found, but the model is not verified")
     return "\n".join(lines)
 
 
@@ -301,69 +344,93 @@ def _collected() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
-async def pd_status(
-    config: EPDConfig, client: Transport, url: str, limit: float | None = None
-) -> tuple[dict[str, Any] | None, str | None]:
-    """The PD's status page as the middleware inside it writes it, or why it could not be read. Any
-    answer is a page or a reason, never an exception: its ``model_runner`` is a string or null and its
-    ``known_problems`` a list of strings (either may be missing, from an older middleware)."""
-    keys = (*config.api_keys, *vllm_api_keys())
-    headers = {"authorization": f"Bearer {keys[0]}"} if keys else {}
-    limit = config.health_check_timeout if limit is None else limit
-    try:
-        with anyio.fail_after(limit):
-            status, body = await client.request(
-                "GET", f"{url.rstrip('/')}{config.status_path}", headers=headers
-            )
-    except TimeoutError:
-        return None, f"no answer within {limit:g} s"
-    except HTTPError as exc:
-        return None, exc.reason
-    if status != 200:
-        return None, f"HTTP {status} (is the middleware loaded there, and EPD_API_KEYS one of its keys?)"
-    if len(body) > MAX_ANSWER:  # a transport other than the command's own reads without its bound
-        return None, f"answer body too large (over {MAX_ANSWER // 1024 // 1024} MiB)"
-    not_the_page = "not the middleware's status page"
-    try:
-        page = json.loads(body)
-    except (ValueError, RecursionError):
-        # Python's json recurses per level: a page nested thousands deep is no page.
-        return None, f"{not_the_page} (not JSON, or nested too deep)"
-    if not isinstance(page, dict):
-        return None, f"{not_the_page} (no JSON object)"
-    if not isinstance(page.get("model_runner"), str | None):
-        return None, f"{not_the_page} (model_runner is not a string)"
-    known = page.get("known_problems", [])
-    if not isinstance(known, list) or not all(isinstance(line, str) for line in known):
-        return None, f"{not_the_page} (known_problems is not a list of strings)"
-    return page, None
+class _Outcome(NamedTuple):
+    """What one run of the command found."""
+
+    reports: list[ServerReport]
+    problems: list[str]
+    warnings: list[str]
+    pd: dict[str, Any] | None
+    # Whether every server's model was checked against something: an expectation, PD's own model, or
+    # the other servers (a lone server without either is reachable, not known to be right).
+    verified: bool
 
 
-async def _run(
-    args: argparse.Namespace, config: EPDConfig, pd_url: str | None, limit: float
-) -> tuple[list[ServerReport], list[str], dict[str, Any] | None]:
+async def _run(args: argparse.Namespace, config: EPDConfig, pd_url: str | None, limit: float) -> _Outcome:
     client = HTTPClient(connect_timeout=min(config.connect_timeout, limit), max_body=MAX_ANSWER)
     try:
-        expected = args.expected_model or config.expected_model
-        reports, problems = await check_fleet(config, client, expected, limit)
-        pd = None
+        expected: str | Expectation | None = args.expected_model or config.expected_model
+        problems: list[str] = []
+        warnings: list[str] = []
+        page, pd = None, None
         if pd_url is not None:
-            error = await _unresolved(pd_url, limit)
-            page = None
-            if error is None:
-                page, error = await pd_status(config, client, pd_url, limit)
-            if error is not None:
-                problems.append(f"pd {masked(pd_url)}: status page: {error}")
-            else:
-                assert page is not None
-                pd = {
-                    "url": masked(pd_url),
-                    "model_runner": page.get("model_runner"),
-                    "known_problems": page.get("known_problems", []),
-                }
-        return reports, problems, pd
+            page, pd = await _read_pd(config, client, pd_url, limit, problems)
+        if page is not None:
+            expected = _pd_expected(page, expected, args.expected_root, masked(pd_url or ""), problems)
+        elif isinstance(expected, str) and args.expected_root:
+            expected = Expectation(frozenset({expected}), args.expected_root)
+        reports, found = await check_fleet(config, client, expected, limit)
+        problems.extend(found)
+        if page is not None:
+            verdicts = pd_verdicts(page, masked(pd_url or ""), [report.url for report in reports])
+            problems.extend(verdicts.problems)
+            warnings.extend(verdicts.warnings)
+        if args.canary and pd_url is not None and page is not None:
+            report, canary = await run_canary(config, client, pd_url, masked(pd_url), limit)
+            problems.extend(canary.problems)
+            warnings.extend(canary.warnings)
+            if pd is not None:
+                pd["canary"] = report
+        reachable = len({report.url for report in reports if report.reachable})
+        verified = bool(expected) or reachable > 1
+        if not verified and reachable:
+            warnings.append(
+                "one server and no expected model: nothing to compare what it serves with (give "
+                "--expected-model, or --pd to take PD's own): it is reachable, not known to be right"
+            )
+        return _Outcome(reports, problems, warnings, pd, verified)
     finally:
         await client.aclose()
+
+
+async def _read_pd(
+    config: EPDConfig, client: Transport, pd_url: str, limit: float, problems: list[str]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """PD's status page and what the command reports of it, or a problem saying why it was not read."""
+    error = await _unresolved(pd_url, limit)
+    page = None
+    if error is None:
+        page, error = await pd_status(config, client, pd_url, limit)
+    if error is not None:
+        problems.append(f"pd {masked(pd_url)}: status page: {error}")
+        return None, None
+    assert page is not None
+    expectation = pd_expectation(page)
+    return page, {
+        "url": masked(pd_url),
+        "model_runner": page.get("model_runner"),
+        "known_problems": page.get("known_problems", []),
+        "model": {"names": sorted(expectation.names), "root": expectation.root} if expectation else None,
+    }
+
+
+def _pd_expected(
+    page: dict[str, Any],
+    expected: str | Expectation | None,
+    root: str | None,
+    shown: str,
+    problems: list[str],
+) -> str | Expectation | None:
+    """What the servers must serve when PD said what it serves: PD's own names and model path, checked
+    against what the operator expected."""
+    own = pd_expectation(page)
+    if own is None:
+        return Expectation(frozenset({expected}), root) if isinstance(expected, str) and root else expected
+    if isinstance(expected, str) and expected not in own.names:
+        problems.append(f"pd {shown} serves {own.describe()}, not the expected model {expected}")
+    if root and own.root and root != own.root:
+        problems.append(f"pd {shown} serves its model from {own.root}, not the expected root {root}")
+    return own
 
 
 def _payload(
@@ -372,11 +439,15 @@ def _payload(
     reports: Sequence[ServerReport],
     problems: Sequence[str],
     pd: dict[str, Any] | None,
+    *,
+    verified: bool = False,
 ) -> str:
     """The JSON of every exit, one shape: a script reads the same keys whether the configuration or a
-    server is at fault."""
+    server is at fault. ``verified``: every server's model was checked against something (an expected
+    model, PD's own, the other servers)."""
     payload = {
         "ok": not problems,
+        "verified": verified and not problems,
         "configuration_errors": list(configuration_errors),
         "warnings": list(warnings),
         "servers": [asdict(report) for report in reports],
@@ -410,7 +481,20 @@ def _parser() -> argparse.ArgumentParser:
         "--expected-model", help="the model every server must serve (default: EPD_EXPECTED_MODEL)"
     )
     check.add_argument(
-        "--pd", help="the PD server's URL: read its status page for what it knows about vLLM there"
+        "--expected-root",
+        metavar="PATH",
+        help="the model path every server must serve it from, as PD derives hashes from it "
+        "(default: PD's own with --pd; without either, the servers must agree on one)",
+    )
+    check.add_argument(
+        "--pd",
+        help="the PD server's URL: read its status page for its own model, its verdict on every encoder "
+        "and what it knows about vLLM there",
+    )
+    check.add_argument(
+        "--canary",
+        action="store_true",
+        help="with --pd: run PD's equivalence probe once (E + PD against PD alone) and fail on a mismatch",
     )
     check.add_argument(
         "--timeout",
@@ -451,21 +535,26 @@ def _check(argv: Sequence[str] | None) -> int:
             pd_url = _pd_url(args.pd, warnings)
         except ValueError as exc:
             errors.append(str(exc))
+    elif args.canary:
+        errors.append("--canary runs PD's equivalence probe: give the PD server's URL with --pd")
     if errors or config is None:
         if args.json:
             print(_payload(errors, warnings, [], errors, None))
         for line in [*(f"warning: {warning}" for warning in warnings), *errors]:
             print(f"epd-middleware check: {line}", file=sys.stderr)
         return 2
-    reports, problems, pd = anyio.run(_run, args, config, pd_url, timeout, backend=args.backend)
+    outcome = anyio.run(_run, args, config, pd_url, timeout, backend=args.backend)
+    reports, pd = outcome.reports, outcome.pd
     if pd is not None:
         warnings.extend(f"pd {pd['url']}: {problem}" for problem in pd["known_problems"])
+    warnings.extend(outcome.warnings)
     # Every problem the text counts, a bad server as much as an unreadable status page.
-    problems = [f"{r.role} {r.url}: {r.verdict}" for r in reports if not r.ok] + problems
+    problems = [f"{r.role} {r.url}: {r.verdict}" for r in reports if not r.ok] + outcome.problems
     if args.json:
-        print(_payload([], warnings, reports, problems, pd))
+        print(_payload([], warnings, reports, problems, pd, verified=outcome.verified))
     else:
-        print("\n".join([*(f"warning: {warning}" for warning in warnings), _table(reports, problems)]))
+        table = _table(reports, problems, verified=outcome.verified)
+        print("\n".join([*(f"warning: {warning}" for warning in warnings), table]))
     return 0 if not problems else 1
 
 
