@@ -86,3 +86,73 @@ def _annotations(alert: str, labels: dict[str, str]) -> dict[str, str]:
         name: text.replace("{{ $labels.encoder }}", labels["encoder"])
         for name, text in rule["annotations"].items()
     }
+
+
+EQUIVALENCE = 'epd_equivalence_mismatched{namespace="epd", pod="pd-0", encoder="http://10.0.0.7:8000"}'
+CHECKS = (
+    'epd_equivalence_checks_total{namespace="epd", pod="pd-0", encoder="http://10.0.0.7:8000", result="%s"}'
+)
+
+
+def test_an_encoder_whose_answers_differ_raises_its_alert_at_once(tmp_path: Path) -> None:
+    """Issue 36: an encoder whose embeddings change PD's answers fails no request; only the equivalence
+    probe sees it, and its mismatch must reach someone. A later match clears it."""
+    alert = "EPDEncoderNotEquivalent"
+    labels = {"namespace": "epd", "encoder": "http://10.0.0.7:8000"}
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [{"series": EQUIVALENCE, "values": "0 0 1 1 0"}],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": alert, "exp_alerts": []},
+                {
+                    "eval_time": "2m",
+                    "alertname": alert,
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {**labels, "severity": "critical"},
+                            "exp_annotations": _annotations(alert, labels),
+                        }
+                    ],
+                },
+                {"eval_time": "4m", "alertname": alert, "exp_alerts": []},
+            ],
+        }
+    ]
+    result = run_rule_tests(tmp_path, tests)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_probes_that_prove_nothing_for_30_minutes_raise_a_warning(tmp_path: Path) -> None:
+    alert = "EPDEquivalenceProbeFailing"
+    labels = {"namespace": "epd", "encoder": "http://10.0.0.7:8000"}
+    failing = {
+        "interval": "5m",
+        "input_series": [
+            {"series": CHECKS % "error", "values": "0 1 2 3 4 5 6 7"},
+            {"series": CHECKS % "match", "values": "0 0 0 0 0 0 0 0"},
+        ],
+        "alert_rule_test": [
+            {
+                "eval_time": "35m",
+                "alertname": alert,
+                "exp_alerts": [
+                    {
+                        "exp_labels": {**labels, "severity": "warning"},
+                        "exp_annotations": _annotations(alert, labels),
+                    }
+                ],
+            }
+        ],
+    }
+    # Errors beside a match in the same 30 minutes (an engine restart): the encoder was proven.
+    recovering = {
+        "interval": "5m",
+        "input_series": [
+            {"series": CHECKS % "error", "values": "0 1 2 3 4 5 6 7"},
+            {"series": CHECKS % "match", "values": "0 0 0 0 0 0 0 1"},
+        ],
+        "alert_rule_test": [{"eval_time": "35m", "alertname": alert, "exp_alerts": []}],
+    }
+    result = run_rule_tests(tmp_path, [failing, recovering])
+    assert result.returncode == 0, result.stdout + result.stderr
