@@ -39,7 +39,8 @@ from ._comparison import Outcome, ProbeAnswer, answer_of, default_tolerance, jud
 from ._in_process import ask_app
 from ._logs import logger
 from ._protocol import CACHE_SALT, CHAT_COMPLETIONS_PATH, DATA_PARALLEL_RANK_HEADER, MODEL, UUID
-from ._surfaces import openai_chat
+from ._sampling import sampled_requests
+from ._surfaces import ParsedRequest, openai_chat
 from .errors import EPDError, UpstreamError
 from .host import Host
 from .transport import Transport
@@ -195,6 +196,9 @@ class Equivalence:
         self.policy = policy
         self.pipeline = pipeline
         self.verdicts: dict[str, Verdict] = {}
+        # The verdicts of sampled real requests (verify_share), per encoder: kept apart from the canary's.
+        self.traffic: dict[str, Verdict] = {}
+        self.traffic_cost = _Cost()
         self.mode: str | None = None  # "pd_alone" or "encoders_compared", once a run said
         self.last_run: float | None = None
         self.last_skip: str | None = None
@@ -300,12 +304,17 @@ class Equivalence:
         return judged_among(answers, tolerance)
 
     async def _through_encoder(
-        self, engine: Engine, fields: dict[str, Any], encoder: str, suffix: str
+        self,
+        engine: Engine,
+        fields: dict[str, Any] | ParsedRequest,
+        encoder: str,
+        suffix: str,
+        cost: _Cost | None = None,
     ) -> ProbeAnswer:
-        """The probe's answer with its image encoded by ``encoder`` (this middleware's encode stage,
+        """The probe's answer with its media encoded by ``encoder`` (this middleware's encode stage,
         pinned there) and the engine given the handles."""
         pipeline, surface = self.pipeline, openai_chat.SURFACE
-        request = surface.parse(json.dumps(fields).encode())
+        request = fields if isinstance(fields, ParsedRequest) else surface.parse(json.dumps(fields).encode())
         assert request is not None  # the probe's own body, with its image
         request_id = f"epd-equivalence-{suffix}"
         context = pipeline.context(
@@ -322,13 +331,18 @@ class Equivalence:
         except (UpstreamError, EPDError) as exc:
             raise _Failed(f"the encoder's call failed: {exc}") from None
         rank = [(DATA_PARALLEL_RANK_HEADER, context.pin_rank)] if context.pin_rank else []
-        return await self._ask_body(engine, prepared.body, request_id, rank)
+        return await self._ask_body(engine, prepared.body, request_id, rank, cost)
 
     async def _ask(self, engine: Engine, fields: dict[str, Any], suffix: str) -> ProbeAnswer:
         return await self._ask_body(engine, json.dumps(fields).encode(), f"epd-equivalence-{suffix}", [])
 
     async def _ask_body(
-        self, engine: Engine, body: bytes, request_id: str, extra: list[tuple[bytes, bytes]]
+        self,
+        engine: Engine,
+        body: bytes,
+        request_id: str,
+        extra: list[tuple[bytes, bytes]],
+        cost: _Cost | None = None,
     ) -> ProbeAnswer:
         keys = engine.host.vllm_api_keys
         headers = [(b"authorization", f"Bearer {keys[0]}".encode()), *extra] if keys else extra
@@ -342,11 +356,75 @@ class Equivalence:
         if reply.status != 200 or not isinstance(decoded, dict):
             said = reply.body[:300].decode("utf-8", "replace")
             raise _Failed(f"the engine answered HTTP {reply.status}: {said}")
-        self.cost.add(decoded)
+        (cost or self.cost).add(decoded)
         try:
             return answer_of(decoded)
         except ValueError as exc:
             raise _Failed(str(exc)) from None
+
+    # Real requests (verify_share) -------------------------------------------------------------------
+
+    async def check_sampled_forever(self, engine: Engine) -> None:
+        """Re-run the requests :class:`~._sampling.Sampler` took, one at a time, as they come."""
+        sampler = self.pipeline.sampler
+        while True:
+            sampled = await sampler.next()
+            try:
+                await self.check_sampled(engine, sampled)
+            finally:
+                del sampled  # its media is the client's: nothing of it is kept past its check
+
+    async def check_sampled(self, engine: Engine, request: ParsedRequest) -> Outcome | None:
+        """One real request's prompt and media through both paths, at one token with its logprobs: its
+        outcome, judged for the encoder that took it (None: skipped, the engine is busy or no encoder
+        is there). The client's own request was answered before; nothing here reaches it."""
+        sampler, host = self.pipeline.sampler, engine.host
+        encoders = self._encoders()
+        if self._busy(host) is not None or not encoders or host.local_encoding_blocker is not None:
+            sampler.skipped += 1
+            return None
+        encoder = encoders[sampler.turn() % len(encoders)]
+        nonce = secrets.token_hex(8)
+        tolerance = (
+            self.policy.tolerance if self.policy.tolerance is not None else default_tolerance(host.dtype)
+        )
+        remote, local = sampled_requests(request, nonce)
+        try:
+            candidate = await self._through_encoder(engine, remote, encoder, f"{nonce}-e", self.traffic_cost)
+        except _Failed as exc:
+            outcome: Outcome = ("error", str(exc), None)
+        else:
+            try:
+                reference = await self._ask_body(
+                    engine, local, f"epd-equivalence-{nonce}-pd", [], self.traffic_cost
+                )
+            except _Failed as exc:
+                outcome = ("error", f"PD alone got no answer: {exc}", None)
+            else:
+                outcome = judged_against(reference, candidate, tolerance, "PD alone")
+        sampler.checked += 1
+        self._judge_traffic(encoder, outcome, tolerance)
+        return outcome
+
+    def _judge_traffic(self, url: str, outcome: Outcome, tolerance: float) -> None:
+        """A real request's verdict: counted and shown apart from the canary's; a mismatch is said and
+        (with ``equivalence_eject``) acted on like the canary's, but a match brings no encoder back (one
+        request's media proves less than the canary's run)."""
+        result, detail, difference = outcome
+        self.traffic[url] = Verdict(result, detail, time.time(), {"traffic": detail}, difference)
+        self.pipeline.stats.equivalence(url, result, source="traffic")
+        if result == "mismatch":
+            logger.warning(
+                "epd: encoder %s does not answer a sampled request as PD alone does: %s (tolerance %g)%s",
+                url,
+                detail,
+                tolerance,
+                "; taken out of the pool until the canary matches" if self.policy.eject else "",
+            )
+            if self.policy.eject:
+                self.pipeline.encoders.bar(url, f"a sampled request's answer differs from PD's own: {detail}")
+        elif result == "error":
+            logger.info("epd: sampled equivalence check of encoder %s: %s", url, detail)
 
     # Judging ----------------------------------------------------------------------------------------
 
@@ -435,6 +513,14 @@ class Equivalence:
             "last_run": self.last_run,
             "last_skipped": self.last_skip,
             "encoders": {url: verdict.view() for url, verdict in self.verdicts.items()},
+            "sampled": {
+                **self.pipeline.sampler.status(
+                    {url: verdict.view() for url, verdict in self.traffic.items()}
+                ),
+                "requests": self.traffic_cost.requests,
+                "prompt_tokens": self.traffic_cost.prompt_tokens,
+                "completion_tokens": self.traffic_cost.completion_tokens,
+            },
             "cost": {
                 "runs": cost.runs,
                 "skipped": cost.skipped,

@@ -170,7 +170,7 @@ class Exchange:
             )
             await self.app(scope, replay(prepared.body, caller.receive), guard.send)
             if guard.status == 200:
-                pipeline.engine_answered(request)
+                pipeline.engine_answered(request, self.surface)
             if guard.waited_out:
                 pipeline.stats.engine_retry_skipped()
                 logger.warning(

@@ -103,13 +103,15 @@ class _Prometheus:
             "Equivalence probes of an encoder (E + PD against PD alone, or against the other encoders "
             "where PD cannot encode), by result: match, mismatch, disagree (no majority among encoders), "
             "unproven (no other encoder to compare with), error (a path got no answer), skipped (the "
-            "engine was busy).",
-            ["encoder", "result"],
+            "engine was busy); source: canary (the built-in prompt) or traffic (a sampled real request, "
+            "verify_share).",
+            ["encoder", "result", "source"],
         )
         self.equivalence_mismatched = prom.Gauge(
             "epd_equivalence_mismatched",
-            "1 while the latest equivalence probe of the encoder found its answers differ, else 0.",
-            ["encoder"],
+            "1 while the latest equivalence probe of the encoder (by source: canary, traffic) found its "
+            "answers differ, else 0.",
+            ["encoder", "source"],
             multiprocess_mode="livemax",
         )
         self.pool_members = prom.Gauge(
@@ -323,12 +325,15 @@ class Stats:
         if self._prom is not None:
             self._child(self._prom.placements, where, why).inc()
 
-    def equivalence(self, encoder: str, result: str) -> None:
-        self.counters[f"equivalence_{result}"] += 1
+    def equivalence(self, encoder: str, result: str, source: str = "canary") -> None:
+        self.counters[
+            f"equivalence_{result}" if source == "canary" else f"equivalence_{source}_{result}"
+        ] += 1
         if self._prom is not None:
-            self._child(self._prom.equivalence_checks, encoder, result).inc()
+            self._child(self._prom.equivalence_checks, encoder, result, source).inc()
             if result != "skipped":
-                self._child(self._prom.equivalence_mismatched, encoder).set(1 if result == "mismatch" else 0)
+                mismatched = 1 if result == "mismatch" else 0
+                self._child(self._prom.equivalence_mismatched, encoder, source).set(mismatched)
 
     def encoder_source(self, source: str) -> None:
         self.counters[f"encoders_chosen_by_{source}"] += 1

@@ -267,8 +267,16 @@ class EPDMiddleware:
             """The equivalence probe's schedule, from the end of a successful start (the engine is
             up and the model known then)."""
             await started.wait()
-            host = self._hosts.of(server_scope)
-            await self._equivalence.run_forever(Engine(self.app, server_scope, host, transport))
+            engine = Engine(self.app, server_scope, self._hosts.of(server_scope), transport)
+            try:
+                async with anyio.create_task_group() as checks:
+                    if self.config.verify_share > 0:
+                        self._pipeline.sampler.running = True
+                        checks.start_soon(self._equivalence.check_sampled_forever, engine)
+                    if self.config.equivalence_interval > 0:
+                        checks.start_soon(self._equivalence.run_forever, engine)
+            finally:
+                self._pipeline.sampler.running = False
 
         async with anyio.create_task_group() as group:
 
@@ -276,7 +284,7 @@ class EPDMiddleware:
                 headers = self._pipeline.probe_headers()
                 with probes:
                     async with anyio.create_task_group() as pools:
-                        if self.config.equivalence_interval > 0:
+                        if self.config.equivalence_interval > 0 or self.config.verify_share > 0:
                             pools.start_soon(equivalence, transport)
                         for discovery in self._pipeline.discoveries:
                             pools.start_soon(discovery.run)

@@ -46,6 +46,7 @@ from ._prefill import PrefillStage
 from ._protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
 from ._rawjson import text_of
 from ._reuse import HandleCache, reuse_blocker
+from ._sampling import Sampler
 from ._scheduler import NO_ROUTE, Route, Scheduler
 from ._scheduling import NO_SCHEDULING, scheduling_of
 from ._surfaces import ParsedRequest, Surface, Unusable, decode_object, encode_fields
@@ -83,6 +84,8 @@ class Pipeline:
     scheduler: Scheduler | None = field(init=False, default=None)
     reuse: HandleCache = field(init=False)
     placement: Placement = field(init=False)
+    # Real requests taken for the equivalence probe (verify_share, _sampling.py).
+    sampler: Sampler = field(init=False)
     pending: int = field(init=False, default=0)
     _encode: EncodeStage = field(init=False)
     _prefill: PrefillStage = field(init=False)
@@ -107,6 +110,7 @@ class Pipeline:
                 max_encoders=config.max_media_items,
             )
         self.placement = Placement(placement_policy(config), self.encoders, self.stats)
+        self.sampler = Sampler(config.verify_share)
         self._encode = EncodeStage(config, self.encoders, self.reuse, self.stats, self.placement)
         self._prefill = PrefillStage(config, self.prefill, self.stats)
 
@@ -295,9 +299,12 @@ class Pipeline:
 
     # After the engine --------------------------------------------------------------------------------
 
-    def engine_answered(self, request: ParsedRequest) -> None:
+    def engine_answered(self, request: ParsedRequest, surface: Surface | None = None) -> None:
         """The local engine answered 200. Outside vLLM and without ``expected_model``, its model is one
-        this server serves, so the encoders and prefill servers must serve it too."""
+        this server serves, so the encoders and prefill servers must serve it too. A share of such
+        requests is checked again by the equivalence probe (``verify_share``), after the answer."""
+        if surface is not None:
+            self.sampler.offer(surface, request)
         if self.expectation is not None or not self.config.check_models:
             return
         model = text_of(request.fields.get(MODEL))

@@ -267,6 +267,16 @@ class EPDConfig(BaseModel):
             "(--trust-request-mm-kwargs)."
         ),
     )
+    verify_share: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Share of real chat requests with media (answered 200) whose prompt and media the "
+            "equivalence probe runs again through both paths, at one token with logprobs, after the "
+            "client's answer (0: off). Needs the lifespan; one waits at a time, others are dropped."
+        ),
+    )
     equivalence_max_pd_load: int = Field(
         default=4,
         ge=1,
@@ -868,6 +878,7 @@ class EPDOptions(TypedDict, total=False):
     equivalence_tokens: int
     equivalence_options: Mapping[str, Any]
     equivalence_max_pd_load: int
+    verify_share: float
     eject_after: int
     eject_cooldown: float
     max_eject_cooldown: float

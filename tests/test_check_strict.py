@@ -207,7 +207,11 @@ def test_canary_exits_0_for_an_equal_fleet_and_1_for_a_mismatch(
             code, payload = check(backend, capsys, "--encoders", both, "--pd", pd, "--canary")
         assert code == 1
         assert payload["problems"] == [f"pd {pd}: canary: encoder {second}: mismatch: {mismatch['detail']}"]
-        skipped = {"ok": None, "skipped": "the engine has 9 unfinished requests", "encoders": {}}
+        skipped: dict[str, Any] = {
+            "ok": None,
+            "skipped": "the engine has 9 unfinished requests",
+            "encoders": {},
+        }
         with server(canary_pd([first, second], skipped)) as (pd, _):
             code, payload = check(backend, capsys, "--encoders", both, "--pd", pd, "--canary")
         assert code == 1

@@ -326,15 +326,19 @@ def test_json_has_one_shape_for_every_exit_and_problems_match_the_text() -> None
     bad_server = run_check("--encoders", down, "--json")
     assert (bad_config.returncode, bad_server.returncode) == (2, 1)
     two, one = json.loads(bad_config.stdout), json.loads(bad_server.stdout)
-    assert two.keys() == one.keys() == {
-        "ok",
-        "verified",
-        "configuration_errors",
-        "warnings",
-        "servers",
-        "problems",
-        "pd",
-    }
+    assert (
+        two.keys()
+        == one.keys()
+        == {
+            "ok",
+            "verified",
+            "configuration_errors",
+            "warnings",
+            "servers",
+            "problems",
+            "pd",
+        }
+    )
     assert two["ok"] is one["ok"] is False
     assert two["problems"] == two["configuration_errors"]
     assert two["problems"] == [

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
-from epd_middleware import EPDMiddleware, Host
+from epd_middleware import EPDConfig, EPDMiddleware, Host
 from epd_middleware._comparison import ProbeAnswer, Step, answer_of, compare, default_tolerance
 from epd_middleware._compat import Expectation
-from epd_middleware._equivalence import DEFAULT_OPTIONS, Engine
+from epd_middleware._equivalence import DEFAULT_OPTIONS, Engine, probe_image
 from epd_middleware._protocol import MOONCAKE_EC_CONNECTOR
+from epd_middleware.config import ConfigurationError
 
 from .fakes import MODEL, TEST_UUID_KEY, derived_hash, models_answer, reported_entries
 
@@ -504,3 +507,207 @@ async def test_no_schedule_by_default() -> None:
     fleet = Fleet()
     app, _ = pd_with(fleet, [E0])
     assert middleware_of(app).config.equivalence_interval == 0
+
+
+# Real requests (verify_share) -----------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def serving(app: Starlette) -> AsyncIterator[None]:
+    """The app with its lifespan started (the probe's workers run there), shut down after."""
+    messages: list[dict[str, Any]] = [{"type": "lifespan.startup"}]
+    shutdown = anyio.Event()
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await shutdown.wait()
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    async with anyio.create_task_group() as group:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "app": app}
+
+        async def serve() -> None:
+            await app(scope, receive, send)
+
+        group.start_soon(serve)
+        with anyio.fail_after(5):
+            while not middleware_of(app).pipeline.sampler.running:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        try:
+            yield
+        finally:
+            shutdown.set()
+
+
+def client_request(seed: int = 0) -> dict[str, Any]:
+    """A client's chat request with an image of its own and its own options."""
+    url = probe_image(112 + 8 * seed)
+    return {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}],
+            }
+        ],
+        "max_tokens": 8,
+        "stream": False,
+        "media_io_kwargs": {"image": {"rgba_background_color": [255, 0, 0]}},
+    }
+
+
+async def ask(app: Starlette, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pd") as client:
+        return await client.post(
+            "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"}
+        )
+
+
+async def settled(app: Starlette, checked: int) -> None:
+    sampler = middleware_of(app).pipeline.sampler
+    with anyio.fail_after(5):
+        while sampler.checked + sampler.skipped < checked:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+
+
+async def test_a_sampled_request_is_checked_after_its_answer_with_its_own_media_and_options() -> None:
+    fleet = Fleet()
+    app, _ = pd_with(fleet, [E0, E1], verify_share=1.0)
+    async with serving(app):
+        response = await ask(app, client_request())
+        assert response.status_code == 200
+        await settled(app, 1)
+    client, *probes = fleet.engine_bodies
+    assert client["max_tokens"] == 8
+    assert "logprobs" not in client
+    assert len(probes) == 2
+    for body in probes:
+        assert (body["max_tokens"], body["logprobs"], body["top_logprobs"], body["stream"]) == (
+            1,
+            True,
+            5,
+            False,
+        )
+        assert body["media_io_kwargs"] == {"image": {"rgba_background_color": [255, 0, 0]}}  # the client's
+        assert body["messages"][0]["content"][1] == {"type": "text", "text": "hi"}
+    assert len({body["cache_salt"] for body in probes}) == 2
+    assert [bool(body.get("ec_transfer_params")) for body in probes] == [True, False]
+    page = (await status(app))["equivalence"]["sampled"]
+    assert (page["share"], page["taken"], page["checked"], page["dropped"]) == (1.0, 1, 1, 0)
+    assert page["requests"] == 2
+    assert page["completion_tokens"] == 2
+    [(_url, verdict)] = page["encoders"].items()
+    assert verdict["result"] == "match"
+    assert middleware_of(app).pipeline.sampler._receive.statistics().current_buffer_used == 0
+
+
+async def test_an_encoder_that_mishandles_a_real_option_is_found_by_sampling_not_by_the_canary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The encoder honours the canary's black background but not a client's red one: only real media
+    and options find it."""
+    fleet = Fleet()
+
+    def red_blind(request: httpx.Request) -> httpx.Response:
+        red = request.url.path == "/v1/chat/completions" and b"[255,0,0]" in request.content.replace(
+            b" ", b""
+        )
+        (fleet.ignores_options.add if red else fleet.ignores_options.discard)(E0)
+        return fleet.encoder(request)
+
+    app, _ = pd_with_client(fleet, [E0], red_blind, verify_share=1.0, equivalence_eject=True)
+    assert (await probe(app)).json()["encoders"][E0]["result"] == "match"
+    with caplog.at_level(logging.WARNING, logger="epd_middleware"):
+        async with serving(app):
+            assert (await ask(app, client_request(1))).status_code == 200
+            await settled(app, 1)
+    verdict = (await status(app))["equivalence"]["sampled"]["encoders"][E0]
+    assert verdict["result"] == "mismatch", verdict
+    assert f"epd: encoder {E0} does not answer a sampled request as PD alone does" in caplog.text
+    assert middleware_of(app).pipeline.encoders.available(anyio.current_time()) == ()
+    assert (await status(app))["counters"]["equivalence_traffic_mismatch"] == 1
+
+
+async def test_the_client_is_never_kept_waiting_and_one_check_waits_at_a_time() -> None:
+    fleet = Fleet()
+    release = anyio.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("x-request-id", "").startswith("epd-equivalence-"):
+            await release.wait()  # the check's encoder call, stuck
+        return fleet.encoder(request)
+
+    app, _ = pd_with_client(fleet, [E0], slow, verify_share=1.0)
+    async with serving(app):
+        with anyio.fail_after(2):  # the first check is stuck on its encoder: no client waits for it
+            for seed in range(4):
+                assert (await ask(app, client_request(seed))).status_code == 200
+        sampler = middleware_of(app).pipeline.sampler
+        assert sampler.taken == 2  # one under way, one waiting
+        assert sampler.dropped == 2
+        release.set()
+        await settled(app, 2)
+
+
+def pd_with_client(
+    fleet: Fleet, urls: list[str], handler: Any, **options: Any
+) -> tuple[Starlette, httpx.AsyncClient]:
+    """The fleet's PD whose encoder calls go to ``handler`` (sync or async, as httpx's MockTransport)."""
+    app = fleet.app()
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    app.add_middleware(
+        EPDMiddleware, encoders=urls, http_client=client, host=fleet.host(), uuid_key=TEST_UUID_KEY, **options
+    )
+    return app, client
+
+
+async def test_no_share_no_check_and_a_busy_engine_skips() -> None:
+    fleet = Fleet()
+    app, _ = pd_with(fleet, [E0])
+    async with serving_without_wait(app):
+        assert (await ask(app, client_request())).status_code == 200
+    assert len(fleet.engine_bodies) == 1
+    busy = Fleet(engine_load=9)
+    app, _ = pd_with(busy, [E0], verify_share=1.0)
+    async with serving(app):
+        assert (await ask(app, client_request())).status_code == 200
+        await settled(app, 1)
+    assert middleware_of(app).pipeline.sampler.skipped == 1
+    assert len(busy.engine_bodies) == 1
+
+
+@asynccontextmanager
+async def serving_without_wait(app: Starlette) -> AsyncIterator[None]:
+    shutdown = anyio.Event()
+    messages: list[dict[str, Any]] = [{"type": "lifespan.startup"}]
+
+    async def receive() -> Message:
+        if messages:
+            return messages.pop(0)
+        await shutdown.wait()
+        return {"type": "lifespan.shutdown"}
+
+    async def send(message: Message) -> None:
+        pass
+
+    async with anyio.create_task_group() as group:
+        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "app": app}
+
+        async def serve() -> None:
+            await app(scope, receive, send)
+
+        group.start_soon(serve)
+        await anyio.sleep(0.05)
+        try:
+            yield
+        finally:
+            shutdown.set()
+
+
+def test_a_share_can_only_be_between_0_and_1() -> None:
+    with pytest.raises(ConfigurationError, match="verify_share"):
+        EPDConfig.of_options({"encoders": [E0], "verify_share": 1.5})
