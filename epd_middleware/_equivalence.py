@@ -1,7 +1,7 @@
 """The equivalence probe: proof, on the running fleet, that E + PD answers what PD alone would.
 
 At start-up and every ``equivalence_interval`` seconds, for each encoder, a built-in prompt (an image
-and a line of text; once with the defaults, once with non-default media options) runs twice through
+and a paragraph of text; once with the defaults, once with non-default media options) runs twice through
 this server's engine, greedy, a few tokens with their top logprobs: once with the image encoded by that
 encoder and handed over through the EC connector (the path client requests take: this middleware's own
 encode stage, pinned to the encoder), once with the image left for the engine to encode itself. The two
@@ -61,7 +61,18 @@ __all__ = [
 # The non-default options of the second run: generic vLLM media options that change what the encoder
 # sees (the probe image is transparent outside its squares, so the background colour matters).
 DEFAULT_OPTIONS: Mapping[str, Any] = {"media_io_kwargs": {"image": {"rgba_background_color": [0, 0, 0]}}}
-_PROMPT = "Describe this image."
+# Long enough that the prompt fills whole KV-cache blocks (about 120 tokens on Qwen's tokenizer besides
+# the image: vLLM's blocks are 16 tokens on GPUs, 128 on its CPU backend), so that the two paths'
+# prompts would share prefix-cache blocks but for their salts, and a test can see that they do not.
+_PROMPT = (
+    "Describe this image: the shapes you see, their colours, where each one sits in the picture, "
+    "which of them overlap, what lies between them and around them, and whether the background shows "
+    "through anywhere. Then say which shape is the largest, which is the smallest, which colour covers "
+    "the most of the picture and which the least, and whether anything in the picture is cut off at its "
+    "edges. Name every colour by its plain name, give the positions as left, right, top and bottom, and "
+    "keep the whole answer to a few short sentences, without guessing at anything the picture does not "
+    "show."
+)
 _TOP_LOGPROBS = 5
 # The probe's request -------------------------------------------------------------------------------------
 
