@@ -68,31 +68,45 @@ class ProbeAnswer:
 
 
 def answer_of(reply: Any) -> ProbeAnswer:
-    """The answer of a chat completion with logprobs (vLLM's JSON); ValueError naming what it lacks."""
+    """The answer of a chat completion with logprobs (vLLM's JSON); ValueError naming what it lacks or
+    what is off in it (whatever the engine wrote: a probe reads answers it did not check)."""
     try:
-        choice = reply["choices"][0]
-        content = choice["logprobs"]["content"]
-        steps = []
-        for entry in content:
-            top: dict[str, float] = {}
-            for candidate in entry.get("top_logprobs") or ():
-                token, logprob = str(candidate["token"]), _finite(candidate["logprob"])
-                top[token] = max(top.get(token, -math.inf), logprob)
-            token, logprob = str(entry["token"]), _finite(entry["logprob"])
-            top.setdefault(token, logprob)
-            steps.append(Step(token, logprob, top))
-    except (KeyError, IndexError, TypeError) as exc:
+        content = reply["choices"][0]["logprobs"]["content"]
+        if not isinstance(content, list):
+            raise TypeError("logprobs.content is not a list")
+        steps = [_step(entry) for entry in content]
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, OverflowError) as exc:
         raise ValueError(f"the answer has no logprobs ({type(exc).__name__}: {exc})") from None
     usage = reply.get("usage") if isinstance(reply, dict) else None
     prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return ProbeAnswer(prompt if isinstance(prompt, int) else None, tuple(steps))
+    known = isinstance(prompt, int) and not isinstance(prompt, bool) and 0 <= prompt < 1 << 40
+    return ProbeAnswer(prompt if known else None, tuple(steps))
+
+
+def _step(entry: Any) -> Step:
+    if not isinstance(entry, dict):
+        raise TypeError("a logprobs entry is not an object")
+    top: dict[str, float] = {}
+    candidates = entry.get("top_logprobs") or ()
+    if not isinstance(candidates, list):
+        raise TypeError("top_logprobs is not a list")
+    for candidate in candidates:
+        if not isinstance(candidate, dict):
+            raise TypeError("a top_logprobs entry is not an object")
+        token, logprob = str(candidate["token"]), _finite(candidate["logprob"])
+        top[token] = max(top.get(token, -math.inf), logprob)
+    token, logprob = str(entry["token"]), _finite(entry["logprob"])
+    top.setdefault(token, logprob)
+    return Step(token, logprob, top)
 
 
 def _finite(value: Any) -> float:
-    number = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError("a logprob is not a number")
+    number = float(value)  # OverflowError for an integer past float's range
     if math.isnan(number):
         raise TypeError("a logprob is NaN")
-    return max(number, -1e4)  # vLLM writes -inf as -9999.0; either is "never"
+    return min(max(number, -1e4), 0.0)  # vLLM writes -inf as -9999.0; either is "never"
 
 
 class Comparison(NamedTuple):

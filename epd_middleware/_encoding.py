@@ -30,6 +30,7 @@ from ._scheduler import Route
 from ._surfaces import ParsedRequest, Surface
 from ._tracing import record, stage_span
 from .config import EPDConfig
+from .errors import UpstreamBadReply
 
 __all__ = ["EncodeStage", "Encoded"]
 
@@ -133,13 +134,22 @@ class EncodeStage:
     ) -> Encoded:
         """The equivalence probe's encode (:mod:`._equivalence`): every item on ``encoder`` and only
         there, nothing reused, nothing placed here, no fallback, so that the answer the engine gives
-        with these handles is that encoder's. Its failure is raised (an UpstreamError)."""
-        found = self._items(surface, request, context)
+        with these handles is that encoder's; no client's uuid, even a trusted one (the engine's caches
+        would give the earlier request's embedding). Its failure is raised (an UpstreamError), and so is
+        an answer without a handle for every item: the engine would encode that item itself, and the
+        probe would compare PD with PD."""
+        found = self._items(surface, request, context, trust_client_uuid=False)
         calls = plan_calls(found.items, [(encoder,)] * len(found.items), self.config.max_batch_size)
         job = self._job(surface, request, context, found, calls, {})._replace(
             stop_at_first_failure=True, canary=None, pinned=True
         )
         outcome = await encode(self.pool, context.transport, job)
+        missing = [item for item in found.items if (item.modality, item.uuid) not in outcome.handles]
+        if missing:
+            raise UpstreamBadReply(
+                encoder,
+                f"no handle for {len(missing)} of {len(found.items)} item(s): PD would encode them itself",
+            )
         fields = self._engine_fields(
             surface, request, context, found, _NOTHING_REUSED, outcome.handles, frozenset()
         )
@@ -162,10 +172,17 @@ class EncodeStage:
         encoders = route or self.pool.available(anyio.current_time())
         return self.placement.decide(to_encode, tokens, context.host, encoders)
 
-    def _items(self, surface: Surface, request: ParsedRequest, context: RequestContext) -> _Items:
+    def _items(
+        self,
+        surface: Surface,
+        request: ParsedRequest,
+        context: RequestContext,
+        *,
+        trust_client_uuid: bool = True,
+    ) -> _Items:
         items, uuids = media_items(
             request.media,
-            trust_client_uuid=self.config.trust_client_uuid and surface.pins_uuids,
+            trust_client_uuid=trust_client_uuid and self.config.trust_client_uuid and surface.pins_uuids,
             salt=request.cache_salt,
             pin_uuid=surface.pins_uuids,
             uuid_key=self.uuid_key,

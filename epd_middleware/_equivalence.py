@@ -40,7 +40,7 @@ from ._in_process import ask_app
 from ._logs import logger
 from ._protocol import CACHE_SALT, CHAT_COMPLETIONS_PATH, DATA_PARALLEL_RANK_HEADER, MODEL, UUID
 from ._sampling import sampled_requests
-from ._surfaces import ParsedRequest, openai_chat
+from ._surfaces import ParsedRequest, Unusable, openai_chat
 from .errors import EPDError, UpstreamError
 from .host import Host
 from .transport import Transport
@@ -186,8 +186,13 @@ class _Cost:
         self.requests += 1
         usage = reply.get("usage")
         if isinstance(usage, dict):
-            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens += int(usage.get("completion_tokens") or 0)
+            self.prompt_tokens += _count(usage.get("prompt_tokens"))
+            self.completion_tokens += _count(usage.get("completion_tokens"))
+
+
+def _count(value: Any) -> int:
+    """A token count as the engine wrote it, or 0 for anything that is not one."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40 else 0
 
 
 class Engine(NamedTuple):
@@ -212,6 +217,7 @@ class Equivalence:
         self.traffic_cost = _Cost()
         self.mode: str | None = None  # "pd_alone" or "encoders_compared", once a run said
         self.last_run: float | None = None
+        self.finished_at: float | None = None  # time.monotonic() at the last run's end
         self.last_skip: str | None = None
         self.cost = _Cost()
         self._lock = anyio.Lock()
@@ -221,26 +227,37 @@ class Equivalence:
 
     async def run_forever(self, engine: Engine) -> None:
         """Run at start-up and every interval; a run skipped while the engine is busy is tried again
-        within a tenth of the interval (at most 30 s)."""
+        within a tenth of the interval (at most 30 s). A run that fails in a way nobody foresaw is
+        logged and the schedule goes on: it shares the lifespan with the health probes."""
         interval = self.policy.interval
         while True:
-            report = await self.run_once(engine)
+            try:
+                report = await self.run_once(engine)
+            except Exception:
+                logger.exception("epd: the equivalence probe failed; trying again at the next interval")
+                report = {}
             await anyio.sleep(min(interval / 10, 30.0) if report.get("skipped") else interval)
 
     async def run_once(self, engine: Engine, *, fresh_within: float = 0.0) -> dict[str, Any]:
         """One run over every encoder; its report. Runs never overlap: a caller that arrives while one
-        runs gets that run's report, as does one within ``fresh_within`` seconds of the last."""
-        if self._lock.locked() or (
+        runs gets that run's report, as does one within ``fresh_within`` seconds of the last one's end
+        (a run that took longer than that gives no one a second at once)."""
+        fresh = (
             self._report is not None
-            and self.last_run is not None
-            and time.time() - self.last_run < fresh_within
-        ):
+            and self.finished_at is not None
+            and time.monotonic() - self.finished_at < fresh_within
+        )
+        if self._lock.locked() or fresh:
             async with self._lock:
                 pass
-            assert self._report is not None
-            return self._report
+            if self._report is not None:
+                return self._report
+            # The run waited for ended without a report (cancelled at shutdown): this caller's own.
         async with self._lock:
-            self._report = await self._run(engine)
+            try:
+                self._report = await self._run(engine)
+            finally:
+                self.finished_at = time.monotonic()
             return self._report
 
     async def _run(self, engine: Engine) -> dict[str, Any]:
@@ -272,8 +289,23 @@ class Equivalence:
             compared = await self._variant(engine, model, options, encoders, tolerance)
             for url, outcome in compared.items():
                 results[url][name] = outcome
+        # Where PD alone is the reference, an encoder is taken out only when another matched it: if
+        # every encoder differs from PD alone, PD's own path (its processor, options or weights) is as
+        # likely the odd one, and taking them all out would fail every client.
+        matched = any(
+            all(outcome[0] == "match" for outcome in outcome_of.values()) for outcome_of in results.values()
+        )
+        may_bar = self.mode != "pd_alone" or matched
         for url, outcome_of in results.items():
-            self._judge(url, outcome_of, tolerance)
+            self._judge(url, outcome_of, tolerance, may_bar=may_bar)
+        if not may_bar and any(
+            outcome[0] == "mismatch" for outcome_of in results.values() for outcome in outcome_of.values()
+        ):
+            logger.warning(
+                "epd: no encoder's answer matches what PD alone answers: PD's own path (its processor, "
+                "options or weights) may be the odd one%s",
+                "; no encoder is taken out of the pool for it" if self.policy.eject else "",
+            )
         report = {
             "ok": all(self.verdicts[url].result in ("match", "unproven") for url in encoders),
             "mode": self.mode,
@@ -341,6 +373,8 @@ class Equivalence:
             prepared = await pipeline.probe(surface, request, context, encoder)
         except (UpstreamError, EPDError) as exc:
             raise _Failed(f"the encoder's call failed: {exc}") from None
+        except Unusable:
+            raise _Failed("the request cannot be written for the engine") from None
         rank = [(DATA_PARALLEL_RANK_HEADER, context.pin_rank)] if context.pin_rank else []
         return await self._ask_body(engine, prepared.body, request_id, rank, cost)
 
@@ -357,9 +391,16 @@ class Equivalence:
     ) -> ProbeAnswer:
         keys = engine.host.vllm_api_keys
         headers = [(b"authorization", f"Bearer {keys[0]}".encode()), *extra] if keys else extra
-        reply = await ask_app(
-            engine.app, engine.lifespan_scope, CHAT_COMPLETIONS_PATH, body, request_id, headers
-        )
+        # Bounded: a request the engine never finishes (a push that never comes) must not hold every
+        # later run behind it.
+        limit = self.pipeline.config.encode_deadline
+        try:
+            with anyio.fail_after(limit):
+                reply = await ask_app(
+                    engine.app, engine.lifespan_scope, CHAT_COMPLETIONS_PATH, body, request_id, headers
+                )
+        except TimeoutError:
+            raise _Failed(f"the engine gave no answer within {limit:g} s") from None
         try:
             decoded = json.loads(reply.body)
         except ValueError:
@@ -382,6 +423,8 @@ class Equivalence:
             sampled = await sampler.next()
             try:
                 await self.check_sampled(engine, sampled)
+            except Exception:
+                logger.exception("epd: a sampled equivalence check failed")
             finally:
                 del sampled  # its media is the client's: nothing of it is kept past its check
 
@@ -432,14 +475,21 @@ class Equivalence:
                 tolerance,
                 "; taken out of the pool until the canary matches" if self.policy.eject else "",
             )
-            if self.policy.eject:
+            # As for the canary: only where another encoder is known to answer as PD does.
+            vouched = any(
+                other != url
+                and verdict.result == "match"
+                and self.pipeline.encoders.usable(other, anyio.current_time())
+                for other, verdict in self.verdicts.items()
+            )
+            if self.policy.eject and vouched:
                 self.pipeline.encoders.bar(url, f"a sampled request's answer differs from PD's own: {detail}")
         elif result == "error":
             logger.info("epd: sampled equivalence check of encoder %s: %s", url, detail)
 
     # Judging ----------------------------------------------------------------------------------------
 
-    def _judge(self, url: str, outcomes: Mapping[str, Outcome], tolerance: float) -> None:
+    def _judge(self, url: str, outcomes: Mapping[str, Outcome], tolerance: float, *, may_bar: bool) -> None:
         """The encoder's verdict over the variants: the worst of them; said, counted, and (with
         ``equivalence_eject``) acted on."""
         order = ("mismatch", "error", "disagree", "unproven", "match")
@@ -460,16 +510,17 @@ class Equivalence:
                 "PD alone answers" if self.mode == "pd_alone" else "the other encoders answer",
                 detail,
                 tolerance,
-                "; taken out of the pool until it does" if self.policy.eject else "",
+                "; taken out of the pool until it does" if self.policy.eject and may_bar else "",
             )
-            if self.policy.eject:
+            if self.policy.eject and may_bar:
                 pool.bar(url, f"its answers differ from {self._reference()}: {detail}")
         elif result in ("error", "disagree"):
             logger.warning("epd: equivalence probe of encoder %s: %s", url, detail)
         else:
             if previous is None or previous.result != result:
                 logger.info("epd: equivalence probe of encoder %s: %s (%s)", url, result, detail)
-            pool.unbar(url)
+            if result == "match":  # "unproven" proves nothing: a barred encoder stays out
+                pool.unbar(url)
 
     def _reference(self) -> str:
         return "PD's own" if self.mode == "pd_alone" else "the other encoders'"

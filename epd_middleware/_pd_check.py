@@ -114,6 +114,9 @@ def pd_verdicts(page: dict[str, Any], shown: str, checked: Sequence[str]) -> Fin
             problems.append(f"pd {shown}: encoder {url}: {why if isinstance(why, str) else 'not healthy'}")
     equivalence = page.get("equivalence")
     verdicts = equivalence.get("encoders") if isinstance(equivalence, dict) else None
+    if verdicts is not None and not isinstance(verdicts, dict):
+        problems.append(f"pd {shown}: status page: not the middleware's status page (equivalence.encoders)")
+        verdicts = None
     for url, verdict in (verdicts or {}).items():
         if isinstance(verdict, dict) and verdict.get("result") == "mismatch":
             problems.append(
@@ -150,7 +153,9 @@ async def run_canary(
             "each other, a weaker proof (encoders broken alike agree)"
         )
     encoders = report.get("encoders")
-    for encoder, verdict in (encoders if isinstance(encoders, dict) else {}).items():
+    if not isinstance(encoders, dict):
+        return report, Findings([f"pd {shown}: canary: not the middleware's report (encoders)"], warnings)
+    for encoder, verdict in encoders.items():
         result = verdict.get("result") if isinstance(verdict, dict) else None
         detail = verdict.get("detail") if isinstance(verdict, dict) else None
         if result == "unproven":
@@ -159,4 +164,7 @@ async def run_canary(
             problems.append(f"pd {shown}: canary: encoder {encoder}: {result}: {detail}")
     if not problems and not encoders:
         problems.append(f"pd {shown}: canary: no encoder was probed")
+    if not problems and report.get("ok") is not True:
+        # A report that says not ok, whatever its verdicts say: nothing is proven.
+        problems.append(f"pd {shown}: canary: the report is not ok ({report.get('ok')!r})")
     return report, Findings(problems, warnings)

@@ -295,7 +295,7 @@ class Pipeline:
         """The engine body of an equivalence probe through ``encoder`` alone (:mod:`._equivalence`):
         none of a client's limits or slots, none of the pool's choices."""
         encoded = await self._encode.probe(surface, request, context, encoder)
-        return Prepared(encode_fields(encoded.fields), encoded.pushed)
+        return Prepared(encode_fields(encoded.fields, compat=request.compat), encoded.pushed)
 
     # After the engine --------------------------------------------------------------------------------
 

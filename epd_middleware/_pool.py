@@ -170,6 +170,9 @@ class ServerPool:
     models: ModelGate = field(init=False)
     _member_set: frozenset[str] = field(init=False, default=frozenset())
     _health: dict[str, Health] = field(init=False, default_factory=dict)
+    # Servers out of the pool for answers that differ from PD's own (bar): kept by URL, so that one
+    # leaving the DNS answer and coming back (its health record forgotten) is still out.
+    _barred: dict[str, str] = field(init=False, default_factory=dict)
     _next: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -226,6 +229,7 @@ class ServerPool:
                 for stranger in [u for u in self._health if u not in self._member_set]:
                     self._forget_if_idle(stranger)
             health = self._health[url] = Health(Capacity(self.policy.max_inflight))
+            health.inequivalent = self._barred.get(url, "")
         return health
 
     def known(self, url: str) -> Health | None:
@@ -263,9 +267,9 @@ class ServerPool:
         """``url`` is not ejected at ``now`` and serves this server's model (members and strangers
         alike)."""
         health = self._health.get(url)
-        return health is None or (
-            health.ejected_until <= now and health.model not in UNUSABLE and not health.inequivalent
-        )
+        if health is None:
+            return url not in self._barred
+        return health.ejected_until <= now and health.model not in UNUSABLE and not health.inequivalent
 
     def reserve(self, count: int, among: int) -> int:
         """Claim ``count`` consecutive slots of the round-robin cursor over ``among`` servers.
@@ -445,15 +449,17 @@ class ServerPool:
         """Take ``url`` out of the pool until :meth:`unbar`: its answers differ from PD's own
         (:mod:`._equivalence`), which no health check sees."""
         health = self.record(url)
-        health.inequivalent = why
+        health.inequivalent = self._barred[url] = why
         self.export_health(url)
 
     def unbar(self, url: str) -> None:
+        if self._barred.pop(url, None) is None:
+            return
         health = self.known(url)
-        if health is not None and health.inequivalent:
+        if health is not None:
             health.inequivalent = ""
             self.export_health(url)
-            logger.warning("%s %s back in the pool: its answers match again", self.role, url)
+        logger.warning("%s %s back in the pool: its answers match again", self.role, url)
 
     def keep(self, url: str, why: str) -> None:
         """``url`` failed ``eject_after`` calls in a row but proved itself healthy: the failures were

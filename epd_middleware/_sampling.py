@@ -3,7 +3,7 @@ with their own prompt and media, and the two probe requests made of each.
 
 Real media finds what the canary cannot: a size, a format or an option the canary lacks. A request
 answered 200 is taken with probability ``verify_share`` and handed over without waiting: at most one
-waits for the probe (a second one meanwhile is dropped, counted), so the client's own request is never
+is checked at a time (one offered meanwhile is dropped, counted), so the client's own request is never
 delayed, and the media held is one request's at most, dropped once checked. Only chat completions with
 media are taken (their answer has logprobs the comparison reads).
 """
@@ -39,12 +39,17 @@ _DROPPED = ("max_completion_tokens", "stream_options", "prompt_logprobs", "echo"
 
 def sampled_requests(request: ParsedRequest, nonce: str) -> tuple[ParsedRequest, bytes]:
     """The two probes of a sampled request: the request for the E + PD path (the media still to encode,
-    under a salt of its own) and the body for PD alone (the media left for the engine, another salt)."""
+    under a salt of its own: the encode stage gives it uuids keyed by that salt, never the client's) and
+    the body for PD alone (the media left for the engine, another salt, each part pinned to a uuid of
+    its own: a client's uuid, trusted or not, would make the engine's caches give the embedding of
+    whatever media was sent under it before)."""
     fields = {name: value for name, value in request.fields.items() if name not in _DROPPED}
     fields.update(_ONE_TOKEN)
     remote = dataclasses.replace(request, fields={**fields, CACHE_SALT: f"epd-verify-{nonce}-e"})
-    local = encode_fields({**fields, CACHE_SALT: f"epd-verify-{nonce}-pd"}, compat=request.compat)
-    return remote, local
+    alone = dataclasses.replace(request, fields={**fields, CACHE_SALT: f"epd-verify-{nonce}-pd"})
+    uuids = [f"epd-verify-{nonce}-pd-{index}" for index in range(len(request.media))]
+    local = openai_chat.SURFACE.engine_fields(alone, uuids, [None] * len(uuids), {})
+    return remote, encode_fields(local, compat=request.compat)
 
 
 class Sampler:
@@ -54,7 +59,9 @@ class Sampler:
         self.share = share
         self._send: MemoryObjectSendStream[ParsedRequest]
         self._receive: MemoryObjectReceiveStream[ParsedRequest]
-        self._send, self._receive = anyio.create_memory_object_stream[ParsedRequest](max_buffer_size=1)
+        # No buffer: a request is handed over only while the worker waits for one, so the media held is
+        # the one request under check, never a second queued behind it.
+        self._send, self._receive = anyio.create_memory_object_stream[ParsedRequest](max_buffer_size=0)
         self.taken = 0
         self.dropped = 0  # taken while one waited: not checked
         self.skipped = 0  # not checked: the engine was busy, or no encoder to check

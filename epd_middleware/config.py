@@ -274,7 +274,7 @@ class EPDConfig(BaseModel):
         description=(
             "Share of real chat requests with media (answered 200) whose prompt and media the "
             "equivalence probe runs again through both paths, at one token with logprobs, after the "
-            "client's answer (0: off). Needs the lifespan; one waits at a time, others are dropped."
+            "client's answer (0: off). Needs the lifespan; one is checked at a time, others are dropped."
         ),
     )
     equivalence_max_pd_load: int = Field(
