@@ -30,20 +30,17 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from starlette.types import ASGIApp, Scope
 
-from ._comparison import Outcome, ProbeAnswer, answer_of, default_tolerance, judged_against, judged_among
-from ._in_process import ask_app
+from ._comparison import Outcome, ProbeAnswer, default_tolerance, judged_against, judged_among
 from ._logs import logger
-from ._protocol import CACHE_SALT, CHAT_COMPLETIONS_PATH, DATA_PARALLEL_RANK_HEADER, MODEL, UUID
+from ._probe_paths import Cost, Engine, PathFailed, ask_engine, through_encoder
+from ._protocol import CACHE_SALT, MODEL, UUID
 from ._sampling import sampled_requests
-from ._surfaces import ParsedRequest, Unusable, openai_chat
-from .errors import EPDError, UpstreamError
+from ._surfaces import ParsedRequest, openai_chat
 from .host import Host
-from .transport import Transport
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
@@ -168,43 +165,6 @@ class Verdict:
         }
 
 
-class _Failed(Exception):
-    """One path of the probe got no answer to compare: why."""
-
-
-@dataclass
-class _Cost:
-    """What the probe has cost this process: runs, requests, tokens."""
-
-    runs: int = 0
-    skipped: int = 0
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def add(self, reply: Mapping[str, Any]) -> None:
-        self.requests += 1
-        usage = reply.get("usage")
-        if isinstance(usage, dict):
-            self.prompt_tokens += _count(usage.get("prompt_tokens"))
-            self.completion_tokens += _count(usage.get("completion_tokens"))
-
-
-def _count(value: Any) -> int:
-    """A token count as the engine wrote it, or 0 for anything that is not one."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40 else 0
-
-
-class Engine(NamedTuple):
-    """The engine the probe asks: the wrapped app, the server's lifespan scope, the host, the transport
-    to the encoders."""
-
-    app: ASGIApp
-    lifespan_scope: Scope
-    host: Host
-    transport: Transport
-
-
 class Equivalence:
     """The probe's schedule, its runs, and every encoder's latest verdict (one per middleware)."""
 
@@ -214,12 +174,12 @@ class Equivalence:
         self.verdicts: dict[str, Verdict] = {}
         # The verdicts of sampled real requests (verify_share), per encoder: kept apart from the canary's.
         self.traffic: dict[str, Verdict] = {}
-        self.traffic_cost = _Cost()
+        self.traffic_cost = Cost()
         self.mode: str | None = None  # "pd_alone" or "encoders_compared", once a run said
         self.last_run: float | None = None
         self.finished_at: float | None = None  # time.monotonic() at the last run's end
         self.last_skip: str | None = None
-        self.cost = _Cost()
+        self.cost = Cost()
         self._lock = anyio.Lock()
         self._report: dict[str, Any] | None = None
 
@@ -329,90 +289,35 @@ class Equivalence:
         for index, url in enumerate(encoders):
             fields = probe_fields(model, options, tokens, f"epd-equivalence-{nonce}-e{index}")
             try:
-                answers[url] = await self._through_encoder(engine, fields, url, f"{nonce}-e{index}")
-            except _Failed as exc:
+                answers[url] = await through_encoder(
+                    self.pipeline,
+                    engine,
+                    _parsed(fields),
+                    url,
+                    f"epd-equivalence-{nonce}-e{index}",
+                    self.cost,
+                )
+            except PathFailed as exc:
                 answers[url] = str(exc)
         if self.mode == "pd_alone":
             local = probe_fields(
                 model, options, tokens, f"epd-equivalence-{nonce}-pd", f"epd-equivalence-{nonce}"
             )
             try:
-                reference = await self._ask(engine, local, f"{nonce}-pd")
-            except _Failed as exc:
+                reference = await ask_engine(
+                    self.pipeline,
+                    engine,
+                    json.dumps(local).encode(),
+                    f"epd-equivalence-{nonce}-pd",
+                    self.cost,
+                )
+            except PathFailed as exc:
                 return {url: ("error", f"PD alone got no answer: {exc}", None) for url in encoders}
             return {
                 url: judged_against(reference, answer, tolerance, "PD alone")
                 for url, answer in answers.items()
             }
         return judged_among(answers, tolerance)
-
-    async def _through_encoder(
-        self,
-        engine: Engine,
-        fields: dict[str, Any] | ParsedRequest,
-        encoder: str,
-        suffix: str,
-        cost: _Cost | None = None,
-    ) -> ProbeAnswer:
-        """The probe's answer with its media encoded by ``encoder`` (this middleware's encode stage,
-        pinned there) and the engine given the handles."""
-        pipeline, surface = self.pipeline, openai_chat.SURFACE
-        request = fields if isinstance(fields, ParsedRequest) else surface.parse(json.dumps(fields).encode())
-        assert request is not None  # the probe's own body, with its image
-        request_id = f"epd-equivalence-{suffix}"
-        context = pipeline.context(
-            request,
-            engine.host,
-            engine.transport,
-            request_id,
-            authorization=None,
-            headers=(),
-            surface=surface,
-        )
-        try:
-            prepared = await pipeline.probe(surface, request, context, encoder)
-        except (UpstreamError, EPDError) as exc:
-            raise _Failed(f"the encoder's call failed: {exc}") from None
-        except Unusable:
-            raise _Failed("the request cannot be written for the engine") from None
-        rank = [(DATA_PARALLEL_RANK_HEADER, context.pin_rank)] if context.pin_rank else []
-        return await self._ask_body(engine, prepared.body, request_id, rank, cost)
-
-    async def _ask(self, engine: Engine, fields: dict[str, Any], suffix: str) -> ProbeAnswer:
-        return await self._ask_body(engine, json.dumps(fields).encode(), f"epd-equivalence-{suffix}", [])
-
-    async def _ask_body(
-        self,
-        engine: Engine,
-        body: bytes,
-        request_id: str,
-        extra: list[tuple[bytes, bytes]],
-        cost: _Cost | None = None,
-    ) -> ProbeAnswer:
-        keys = engine.host.vllm_api_keys
-        headers = [(b"authorization", f"Bearer {keys[0]}".encode()), *extra] if keys else extra
-        # Bounded: a request the engine never finishes (a push that never comes) must not hold every
-        # later run behind it.
-        limit = self.pipeline.config.encode_deadline
-        try:
-            with anyio.fail_after(limit):
-                reply = await ask_app(
-                    engine.app, engine.lifespan_scope, CHAT_COMPLETIONS_PATH, body, request_id, headers
-                )
-        except TimeoutError:
-            raise _Failed(f"the engine gave no answer within {limit:g} s") from None
-        try:
-            decoded = json.loads(reply.body)
-        except ValueError:
-            decoded = None
-        if reply.status != 200 or not isinstance(decoded, dict):
-            said = reply.body[:300].decode("utf-8", "replace")
-            raise _Failed(f"the engine answered HTTP {reply.status}: {said}")
-        (cost or self.cost).add(decoded)
-        try:
-            return answer_of(decoded)
-        except ValueError as exc:
-            raise _Failed(str(exc)) from None
 
     # Real requests (verify_share) -------------------------------------------------------------------
 
@@ -444,15 +349,17 @@ class Equivalence:
         )
         remote, local = sampled_requests(request, nonce)
         try:
-            candidate = await self._through_encoder(engine, remote, encoder, f"{nonce}-e", self.traffic_cost)
-        except _Failed as exc:
+            candidate = await through_encoder(
+                self.pipeline, engine, remote, encoder, f"epd-equivalence-{nonce}-e", self.traffic_cost
+            )
+        except PathFailed as exc:
             outcome: Outcome = ("error", str(exc), None)
         else:
             try:
-                reference = await self._ask_body(
-                    engine, local, f"epd-equivalence-{nonce}-pd", [], self.traffic_cost
+                reference = await ask_engine(
+                    self.pipeline, engine, local, f"epd-equivalence-{nonce}-pd", self.traffic_cost
                 )
-            except _Failed as exc:
+            except PathFailed as exc:
                 outcome = ("error", f"PD alone got no answer: {exc}", None)
             else:
                 outcome = judged_against(reference, candidate, tolerance, "PD alone")
@@ -596,3 +503,10 @@ class Equivalence:
                 else None,
             },
         }
+
+
+def _parsed(fields: dict[str, Any]) -> ParsedRequest:
+    """The canary prompt as the chat surface reads a client's request."""
+    request = openai_chat.SURFACE.parse(json.dumps(fields).encode())
+    assert request is not None  # the probe's own body, with its image
+    return request

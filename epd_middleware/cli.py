@@ -62,7 +62,7 @@ import anyio
 
 from . import __version__
 from ._addresses import masked, port_number
-from ._compat import Expectation, check_models
+from ._compat import Expectation, ModelCheck, check_models
 from ._discovery import Discovery
 from ._http import HTTPClient, HTTPError
 from ._logs import logger
@@ -188,26 +188,7 @@ async def check_fleet(
             continue
         (health, health_ms), models = results[(role, url)]
         reachable = models.state != "unreachable" or health == "ok"
-        if models.state == "unreachable":
-            verdict = f"not usable: {models.served}"
-        elif models.state == "mismatch":
-            verdict = f"serves another model (expected {expectation.describe() if expectation else expected})"
-        elif len(roots) > 1:
-            # PD derives every embedding's hash from its own model path: of servers that serve its name
-            # from different paths, it uses only those of its own, and which that is, nobody said here.
-            mine = sorted(root for name, root in models.models if expectation and name in expectation.names)
-            verdict = (
-                f"serves {', '.join(sorted(expectation.names)) if expectation else ''} from "
-                f"{', '.join(mine) or 'no path'}, other servers from "
-                f"{', '.join(sorted(roots - set(mine)))}: PD uses only those of its own model path "
-                "(give --expected-root, or --pd to take PD's own)"
-            )
-        elif health != "ok":
-            verdict = f"health check: {health}"
-        elif expectation is None and len(served_sets) > 1:
-            verdict = "serves a model the other servers do not (give --expected-model to say which is right)"
-        else:
-            verdict = "ok"
+        verdict = _verdict(health, models, expectation, roots, several_models=len(served_sets) > 1)
         reports.append(
             ServerReport(
                 role,
@@ -224,6 +205,32 @@ async def check_fleet(
     if not servers and not problems:
         problems.append("no encoder or prefill server configured")
     return reports, problems
+
+
+def _verdict(
+    health: str, models: ModelCheck, expectation: Expectation | None, roots: set[str], *, several_models: bool
+) -> str:
+    """One server's verdict from its answers: its model (against the expectation, and the model paths
+    the others serve the name from), then its health."""
+    if models.state == "unreachable":
+        return f"not usable: {models.served}"
+    if models.state == "mismatch":
+        return f"serves another model (expected {expectation.describe() if expectation else ''})"
+    if len(roots) > 1:
+        # PD derives every embedding's hash from its own model path: of servers that serve its name from
+        # different paths, it uses only those of its own, and which that is, nobody said here.
+        names = ", ".join(sorted(expectation.names)) if expectation else ""
+        mine = sorted(root for name, root in models.models if expectation and name in expectation.names)
+        return (
+            f"serves {names} from {', '.join(mine) or 'no path'}, other servers from "
+            f"{', '.join(sorted(roots - set(mine)))}: PD uses only those of its own model path "
+            "(give --expected-root, or --pd to take PD's own)"
+        )
+    if health != "ok":
+        return f"health check: {health}"
+    if expectation is None and several_models:
+        return "serves a model the other servers do not (give --expected-model to say which is right)"
+    return "ok"
 
 
 def _roots_of_the_name(
