@@ -76,6 +76,35 @@ def load_round(
     return {"rps": done[0] / seconds, "probe_runs": len(runs), "probe_results": runs, "next": counter[0]}
 
 
+def summarize(rounds: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """The cost from interleaved rounds: each probing round against the mean of the off rounds beside
+    it (throughput drifts over a run as the servers warm up; neighbours share the drift), the median of
+    those ratios, and what one run costs in seconds of the whole server's capacity: (1 - ratio) over the
+    runs per second; at an interval I that is a share of (seconds per run) / I."""
+    ratios = []
+    for index, entry in enumerate(rounds):
+        if entry["mode"] != "probing":
+            continue
+        beside = [
+            rounds[i]["rps"]
+            for i in (index - 1, index + 1)
+            if 0 <= i < len(rounds) and rounds[i]["mode"] == "off"
+        ]
+        ratios.append(round(entry["rps"] / statistics.mean(beside), 3))
+    ratio = statistics.median(ratios)
+    runs_per_second = statistics.mean(
+        entry["probe_runs"] / seconds for entry in rounds if entry["mode"] == "probing"
+    )
+    seconds_per_run = (1 - ratio) / runs_per_second if runs_per_second else 0.0
+    return {
+        "pair_ratios": ratios,
+        "ratio": ratio,
+        "probe_runs_per_second": runs_per_second,
+        "capacity_seconds_per_run": seconds_per_run,
+        "share_at_600_s": seconds_per_run / 600,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -114,32 +143,17 @@ def main() -> None:
             page = httpx.get(f"{pd.url}/epd/status", timeout=30).json()["equivalence"]
         finally:
             lab.stop_all([encoder, pd])
-    off = [entry["rps"] for entry in rounds if entry["mode"] == "off"]
-    on = [entry["rps"] for entry in rounds if entry["mode"] == "probing"]
-    runs_per_second = statistics.mean(
-        entry["probe_runs"] / args.seconds for entry in rounds if entry["mode"] == "probing"
-    )
-    ratio = statistics.median(on) / statistics.median(off)
-    # The throughput one run costs, in seconds of the whole server's capacity: (1 - ratio) per
-    # (runs per second); at an interval I it is that over I.
-    seconds_per_run = (1 - ratio) / runs_per_second if runs_per_second else 0.0
     summary = {
         "parameters": vars(args),
         "rounds": rounds,
-        "throughput_off_rps": statistics.median(off),
-        "throughput_probing_rps": statistics.median(on),
-        "ratio": ratio,
-        "probe_runs_per_second": runs_per_second,
-        "capacity_seconds_per_run": seconds_per_run,
-        "share_at_600_s": seconds_per_run / 600,
+        **summarize(rounds, args.seconds),
         "probe_cost_on_the_status_page": page["cost"],
     }
     OUT.write_text(json.dumps(summary, indent=1) + "\n")
     print(
-        f"off {statistics.median(off):.3f} req/s, "
-        f"probing every {args.every:g} s {statistics.median(on):.3f} req/s: "
-        f"ratio {ratio:.3f}; one run costs {seconds_per_run:.2f} s of the server's capacity, "
-        f"{seconds_per_run / 600:.2%} of it at the 600 s interval"
+        f"probing every {args.every:g} s against off, pair by pair: ratios {summary['pair_ratios']}, "
+        f"median {summary['ratio']:.3f}; one run costs {summary['capacity_seconds_per_run']:.2f} s of the "
+        f"server's capacity, {summary['share_at_600_s']:.2%} of it at the 600 s interval"
     )
 
 
