@@ -14,7 +14,7 @@ Neither path may read the other's work, or an earlier run's: each runs under a `
 storage), drawn afresh every run.
 
 The probe is the server's own request, made in this process and handed to the wrapped app
-(:mod:`._in_process`): it takes none of the slots the middleware keeps for clients (``pending``), and
+(:mod:`._probe_paths`): it takes none of the slots the middleware keeps for clients (``pending``), and
 it carries vLLM's own key through vLLM's own checks. It does not run while the engine is busy
 (``equivalence_max_pd_load``), and says so.
 """
@@ -71,6 +71,8 @@ _PROMPT = (
     "show."
 )
 _TOP_LOGPROBS = 5
+
+
 # The probe's request -------------------------------------------------------------------------------------
 
 
