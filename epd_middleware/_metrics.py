@@ -114,6 +114,13 @@ class _Prometheus:
             ["encoder", "source"],
             multiprocess_mode="livemax",
         )
+        self.loaded = prom.Gauge(
+            "epd_middleware_info",
+            "1 in every API-server process the middleware is loaded in (version: its version): a PD whose "
+            "vLLM metrics show without it serves without encoder disaggregation (EPDMiddlewareNotLoaded).",
+            ["version"],
+            multiprocess_mode="livemax",
+        )
         self.pool_members = prom.Gauge(
             "epd_pool_members",
             "Servers in a pool now (static URLs plus DNS answers), by role.",
@@ -324,6 +331,12 @@ class Stats:
         self.counters[f"placement_{where}_{why}"] += 1
         if self._prom is not None:
             self._child(self._prom.placements, where, why).inc()
+
+    def loaded(self, version: str) -> None:
+        """The middleware is loaded in this process (its series exists from the start, before any
+        request or pool member)."""
+        if self._prom is not None:
+            self._child(self._prom.loaded, version).set(1)
 
     def equivalence(self, encoder: str, result: str, source: str = "canary") -> None:
         self.counters[

@@ -89,6 +89,9 @@ class EPDMiddleware:
         }
         self._status_path = config.status_path
         self._pipeline = Pipeline(config)
+        from . import __version__  # here: the package's __init__ imports this module
+
+        self._pipeline.stats.loaded(__version__)
         # Media on vLLM's routes this middleware does not intercept, where the engine cannot encode it.
         self._raw_media = RawMediaGuard(config, self._surfaces, self._pipeline.stats)
         self._transports = _Transports(

@@ -156,3 +156,56 @@ def test_probes_that_prove_nothing_for_30_minutes_raise_a_warning(tmp_path: Path
     }
     result = run_rule_tests(tmp_path, [failing, recovering])
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+VLLM_RUNNING = (
+    'vllm:num_requests_running{namespace="epd", pod="%s", job="epd-pd", model_name="m", engine="0"}'
+)
+LOADED = 'epd_middleware_info{namespace="epd", pod="%s", job="epd-pd", version="0.1.0"}'
+
+
+def test_a_pd_serving_without_the_middleware_raises_its_alert(tmp_path: Path) -> None:
+    """Issue 37: vLLM logs and skips a plugin that fails to import; every other alert needs epd_*
+    series, so such a PD served every image itself with no alarm. Its vLLM series without the
+    middleware's raise EPDMiddlewareNotLoaded; a PD with both stays quiet."""
+    alert = "EPDMiddlewareNotLoaded"
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [
+                {"series": VLLM_RUNNING % "pd-0", "values": "0x10"},
+                {"series": LOADED % "pd-0", "values": "1x10"},
+                {"series": VLLM_RUNNING % "pd-1", "values": "2x10"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": alert, "exp_alerts": []},  # pending for 5 min first
+                {
+                    "eval_time": "6m",
+                    "alertname": alert,
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"namespace": "epd", "pod": "pd-1", "severity": "critical"},
+                            "exp_annotations": {
+                                name: text.replace("{{ $labels.namespace }}", "epd").replace(
+                                    "{{ $labels.pod }}", "pd-1"
+                                )
+                                for name, text in _rule(alert)["annotations"].items()
+                            },
+                        }
+                    ],
+                },
+            ],
+        }
+    ]
+    result = run_rule_tests(tmp_path, tests)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _rule(alert: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(
+        rule
+        for group in yaml.safe_load(RULES.read_text())["spec"]["groups"]
+        for rule in group["rules"]
+        if rule.get("alert") == alert
+    )
+    return found

@@ -919,7 +919,11 @@ class Series(NamedTuple):
 
 # vLLM's own series the manifests name (the PD servers' HPA scales on their engine queue): the tests'
 # knowledge, from vLLM 0.32's vllm/v1/metrics/loggers.py (a gauge per engine, labels model_name, engine).
-VLLM_SERIES: Final = {"vllm:num_requests_waiting": Series("gauge", frozenset({"model_name", "engine"}))}
+VLLM_SERIES: Final = {
+    "vllm:num_requests_waiting": Series("gauge", frozenset({"model_name", "engine"})),
+    # EPDMiddlewareNotLoaded: a PD whose vLLM serves (this series) without the middleware's.
+    "vllm:num_requests_running": Series("gauge", frozenset({"model_name", "engine"})),
+}
 
 
 def exported_series() -> dict[str, Series]:
@@ -1161,7 +1165,7 @@ def test_prometheus_scrapes_every_server_that_runs_the_middleware(
 
 
 def test_every_alert_is_complete_and_uses_exported_metrics() -> None:
-    exported = exported_series()
+    exported = exported_series() | VLLM_SERIES
     [rule] = of_kind(render(MONITORING), "PrometheusRule").values()
     alerts = [entry for group in rule["spec"]["groups"] for entry in group["rules"]]
     assert len({alert["alert"] for alert in alerts}) == len(alerts)
