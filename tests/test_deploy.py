@@ -1655,3 +1655,46 @@ def test_the_image_installs_no_dependency_and_says_which_are_there_already() -> 
     assert "--no-deps" in install
     assert "pip check" in install
     assert "grep '^epd-middleware '" in install
+
+
+# --- Issue 37, item 1: rollouts, scale-downs and drains lose no request ------------------------------
+
+
+def shutdown_timeout(args: list[str]) -> int | None:
+    """vLLM's --shutdown-timeout (seconds; 0, its default, aborts what is running on SIGTERM)."""
+    for arg in args:
+        if arg.startswith("--shutdown-timeout="):
+            return int(arg.split("=", 1)[1])
+    if "--shutdown-timeout" in args:
+        return int(args[args.index("--shutdown-timeout") + 1])
+    return None
+
+
+def prestop_seconds(item: dict[str, Any]) -> int | None:
+    """The pause a container's preStop hook makes before SIGTERM: ``exec`` of ``sleep N``."""
+    hook = item.get("lifecycle", {}).get("preStop")
+    if hook is None:
+        return None
+    assert "sleep" not in hook, "the preStop sleep action needs Kubernetes 1.30: use exec of sleep"
+    command = hook["exec"]["command"]
+    assert command[0] == "sleep", command
+    assert len(command) == 2, command
+    return int(command[1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_vllm_server_drains_within_its_grace_period(overlay: str) -> None:
+    """vLLM's default --shutdown-timeout is 0: on SIGTERM it aborts what it is running, so every rollout,
+    scale-down and node drain failed the requests in flight, against base/pd-pdb.yaml's word. Every vLLM
+    server now pauses in preStop (it leaves the Service's endpoints, the gateway's pool and the PD
+    servers' DNS answers first), then drains for --shutdown-timeout, within the grace period as vLLM's own
+    Kubernetes docs require: terminationGracePeriodSeconds >= preStop pause + --shutdown-timeout."""
+    for deployment in vllm_servers(render(overlay)):
+        name = deployment["metadata"]["name"]
+        item = container(deployment)
+        timeout, pause = shutdown_timeout(item["args"]), prestop_seconds(item)
+        assert timeout, f"{name}: no --shutdown-timeout (0, vLLM's default, aborts on SIGTERM)"
+        assert pause is not None, f"{name}: no preStop pause before SIGTERM"
+        assert pause >= 10, f"{name}: a preStop pause shorter than a DNS refresh and an endpoint update"
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= pause + timeout, (name, grace, pause, timeout)
