@@ -165,6 +165,7 @@ def test_other_weights_under_the_same_name_and_path_are_found_in_the_first_run(m
     text = metrics(mixed.pd)
     assert _sample(text, "epd_equivalence_mismatched", encoder=mixed.other.url) == 1
     assert _sample(text, "epd_equivalence_mismatched", encoder=mixed.good.url) == 0
+    assert _sample(text, "epd_middleware_info") == 1  # what EPDMiddlewareNotLoaded looks for (issue 37)
 
 
 def test_clients_of_the_mixed_fleet_get_the_single_instance_s_answer(
