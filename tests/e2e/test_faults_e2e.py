@@ -64,6 +64,7 @@ def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deplo
                 attacks.append((name, response.status_code, response.json()))
 
     thread = threading.Thread(target=attacker, daemon=True)
+    started = time.monotonic()
     thread.start()
     try:
         for body, baseline in zip(honest, baselines, strict=True):
@@ -75,6 +76,7 @@ def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deplo
     finally:
         stop.set()
         thread.join(timeout=120)
+    elapsed = time.monotonic() - started
     for name, code, answer in attacks:
         expected = single_answers[name]
         assert (code, answer) == (expected.status_code, expected.json()), name
@@ -88,7 +90,13 @@ def test_a_client_repeating_bad_media_takes_no_encoder_from_another_client(deplo
     # Not one call per encoder: a data URL vLLM refuses costs one call; a media host that does not
     # resolve costs two (one encoder's failure to fetch may be its own egress: a second one confirms it).
     expected = sum(1 if name == "non-base64 data URL" else 2 for name, _, _ in attacks)
-    assert sum(refusals(server) for server in deployment.encoders) - refusals_before == expected
+    # Issue 35: an encoder whose share of "the client's fault" answers stands out from the other's (content
+    # affinity sends the data URL to one of them) is doubted, and one second opinion a health-check
+    # interval vindicates it: bounded by the time the attack ran, never one per bad request (CI saw 13
+    # for 12).
+    doubts = 1 + int(elapsed / page["config"]["health_check_interval"])
+    extra = sum(refusals(server) for server in deployment.encoders) - refusals_before - expected
+    assert 0 <= extra <= doubts, (extra, doubts, len(attacks))
 
 
 def test_a_client_reference_removed_while_its_request_is_prepared_is_refused_and_the_engine_lives(
