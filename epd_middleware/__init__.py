@@ -9,6 +9,7 @@ start with ``_`` are the implementation, free to change between releases.
 """
 
 from ._middleware import EPDMiddleware
+from ._version import __version__ as __version__
 from .config import EPDConfig
 from .errors import (
     BodyTooLarge,
@@ -53,5 +54,3 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
-
-__version__ = "0.1.0"

@@ -98,22 +98,7 @@ class _Prometheus:
             "size_unknown).",
             ["where", "why"],
         )
-        self.equivalence_checks = prom.Counter(
-            "epd_equivalence_checks",
-            "Equivalence probes of an encoder (E + PD against PD alone, or against the other encoders "
-            "where PD cannot encode), by result: match, mismatch, disagree (no majority among encoders), "
-            "unproven (no other encoder to compare with), error (a path got no answer), skipped (the "
-            "engine was busy); source: canary (the built-in prompt) or traffic (a sampled real request, "
-            "verify_share).",
-            ["encoder", "result", "source"],
-        )
-        self.equivalence_mismatched = prom.Gauge(
-            "epd_equivalence_mismatched",
-            "1 while the latest equivalence probe of the encoder (by source: canary, traffic) found its "
-            "answers differ, else 0.",
-            ["encoder", "source"],
-            multiprocess_mode="livemax",
-        )
+        self.equivalence = _EquivalenceMetrics(prom)
         self.loaded = prom.Gauge(
             "epd_middleware_info",
             "1 in every API-server process the middleware is loaded in (version: its version): a PD whose "
@@ -128,6 +113,28 @@ class _Prometheus:
             multiprocess_mode="livemax",
         )
         self.pools = {role: _PoolMetrics(prom, role) for role in ROLES}
+
+
+class _EquivalenceMetrics:
+    """The equivalence probe's metrics (_equivalence.py)."""
+
+    def __init__(self, prom: Any) -> None:
+        self.checks = prom.Counter(
+            "epd_equivalence_checks",
+            "Equivalence probes of an encoder (E + PD against PD alone, or against the other encoders "
+            "where PD cannot encode), by result: match, mismatch, disagree (no majority among encoders), "
+            "unproven (no other encoder to compare with), error (a path got no answer), skipped (the "
+            "engine was busy); source: canary (the built-in prompt) or traffic (a sampled real request, "
+            "verify_share).",
+            ["encoder", "result", "source"],
+        )
+        self.mismatched = prom.Gauge(
+            "epd_equivalence_mismatched",
+            "1 while the latest equivalence probe of the encoder (by source: canary, traffic) found its "
+            "answers differ, else 0.",
+            ["encoder", "source"],
+            multiprocess_mode="livemax",
+        )
 
 
 class _PoolMetrics:
@@ -343,10 +350,10 @@ class Stats:
             f"equivalence_{result}" if source == "canary" else f"equivalence_{source}_{result}"
         ] += 1
         if self._prom is not None:
-            self._child(self._prom.equivalence_checks, encoder, result, source).inc()
+            self._child(self._prom.equivalence.checks, encoder, result, source).inc()
             if result != "skipped":
                 mismatched = 1 if result == "mismatch" else 0
-                self._child(self._prom.equivalence_mismatched, encoder, source).set(mismatched)
+                self._child(self._prom.equivalence.mismatched, encoder, source).set(mismatched)
 
     def encoder_source(self, source: str) -> None:
         self.counters[f"encoders_chosen_by_{source}"] += 1

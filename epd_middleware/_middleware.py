@@ -24,6 +24,7 @@ from ._probes import probe_forever
 from ._raw_media import RawMediaGuard
 from ._status import status_page
 from ._surfaces import Surface, anthropic_messages, openai_chat, openai_chat_batch, openai_responses
+from ._version import __version__
 from .config import EPDConfig, EPDOptions
 from .errors import EPDError, MethodNotAllowed, StartupFailed, Unauthorized
 from .host import Host
@@ -89,8 +90,6 @@ class EPDMiddleware:
         }
         self._status_path = config.status_path
         self._pipeline = Pipeline(config)
-        from . import __version__  # here: the package's __init__ imports this module
-
         self._pipeline.stats.loaded(__version__)
         # Media on vLLM's routes this middleware does not intercept, where the engine cannot encode it.
         self._raw_media = RawMediaGuard(config, self._surfaces, self._pipeline.stats)

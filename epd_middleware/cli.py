@@ -60,7 +60,6 @@ from urllib.parse import urlsplit
 
 import anyio
 
-from . import __version__
 from ._addresses import masked, port_number
 from ._compat import Expectation, ModelCheck, check_models
 from ._discovery import Discovery
@@ -69,6 +68,7 @@ from ._logs import logger
 from ._metrics import Stats
 from ._pd_check import MAX_ANSWER, pd_expectation, pd_status, pd_verdicts, run_canary
 from ._pool import PoolPolicy, ServerPool
+from ._version import __version__
 from .config import ConfigurationError, EPDConfig, unknown_variables
 from .transport import Transport
 
