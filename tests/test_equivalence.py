@@ -474,31 +474,11 @@ async def test_two_encoders_that_disagree_cannot_be_told_apart_and_one_alone_is_
 async def test_the_schedule_runs_at_start_up_and_again_each_interval() -> None:
     fleet = Fleet()
     app, _ = pd_with(fleet, [E0], equivalence_interval=0.2)
-    messages: list[dict[str, Any]] = [{"type": "lifespan.startup"}]
-    shutdown = anyio.Event()
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> Message:
-        if messages:
-            return messages.pop(0)
-        await shutdown.wait()
-        return {"type": "lifespan.shutdown"}
-
-    async def send(message: Message) -> None:
-        sent.append(dict(message))
-
-    async with anyio.create_task_group() as group:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "app": app}
-
-        async def serve() -> None:
-            await app(scope, receive, send)
-
-        group.start_soon(serve)
+    async with serving(app) as sent:
         with anyio.fail_after(5):
             # Polled: the schedule has no hook of its own to wait on, and needs none.
             while middleware_of(app).equivalence.cost.runs < 2:  # noqa: ASYNC110
                 await anyio.sleep(0.05)
-        shutdown.set()
     assert sent[0]["type"] == "lifespan.startup.complete"
     assert middleware_of(app).equivalence.verdicts[E0].result == "match"
 
@@ -513,10 +493,13 @@ async def test_no_schedule_by_default() -> None:
 
 
 @asynccontextmanager
-async def serving(app: Starlette) -> AsyncIterator[None]:
-    """The app with its lifespan started (the probe's workers run there), shut down after."""
+async def serving(app: Starlette) -> AsyncIterator[list[dict[str, Any]]]:
+    """The app with its lifespan started (the probe's workers run there), shut down after; what the
+    server was told. Ready once the start-up completed and, where verify_share asks for it, the
+    sampler's worker runs."""
     messages: list[dict[str, Any]] = [{"type": "lifespan.startup"}]
     shutdown = anyio.Event()
+    sent: list[dict[str, Any]] = []
 
     async def receive() -> Message:
         if messages:
@@ -525,7 +508,13 @@ async def serving(app: Starlette) -> AsyncIterator[None]:
         return {"type": "lifespan.shutdown"}
 
     async def send(message: Message) -> None:
-        pass
+        sent.append(dict(message))
+
+    middleware = middleware_of(app)
+
+    def ready() -> bool:
+        started = any(message["type"] == "lifespan.startup.complete" for message in sent)
+        return started and (middleware.config.verify_share == 0 or middleware.pipeline.sampler.running)
 
     async with anyio.create_task_group() as group:
         scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "app": app}
@@ -535,10 +524,10 @@ async def serving(app: Starlette) -> AsyncIterator[None]:
 
         group.start_soon(serve)
         with anyio.fail_after(5):
-            while not middleware_of(app).pipeline.sampler.running:  # noqa: ASYNC110
+            while not ready():  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         try:
-            yield
+            yield sent
         finally:
             shutdown.set()
 
@@ -668,7 +657,7 @@ def pd_with_client(
 async def test_no_share_no_check_and_a_busy_engine_skips() -> None:
     fleet = Fleet()
     app, _ = pd_with(fleet, [E0])
-    async with serving_without_wait(app):
+    async with serving(app):
         assert (await ask(app, client_request())).status_code == 200
     assert len(fleet.engine_bodies) == 1
     busy = Fleet(engine_load=9)
@@ -678,34 +667,6 @@ async def test_no_share_no_check_and_a_busy_engine_skips() -> None:
         await settled(app, 1)
     assert middleware_of(app).pipeline.sampler.skipped == 1
     assert len(busy.engine_bodies) == 1
-
-
-@asynccontextmanager
-async def serving_without_wait(app: Starlette) -> AsyncIterator[None]:
-    shutdown = anyio.Event()
-    messages: list[dict[str, Any]] = [{"type": "lifespan.startup"}]
-
-    async def receive() -> Message:
-        if messages:
-            return messages.pop(0)
-        await shutdown.wait()
-        return {"type": "lifespan.shutdown"}
-
-    async def send(message: Message) -> None:
-        pass
-
-    async with anyio.create_task_group() as group:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "app": app}
-
-        async def serve() -> None:
-            await app(scope, receive, send)
-
-        group.start_soon(serve)
-        await anyio.sleep(0.05)
-        try:
-            yield
-        finally:
-            shutdown.set()
 
 
 def test_a_share_can_only_be_between_0_and_1() -> None:

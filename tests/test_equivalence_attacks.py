@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import anyio
@@ -33,6 +31,7 @@ from epd_middleware._surfaces import openai_chat
 from epd_middleware.cli import main
 
 from .fakes import models_answer
+from .test_check_strict import server as answering
 from .test_equivalence import (
     E0,
     E1,
@@ -225,10 +224,8 @@ async def test_an_odd_engine_answer_on_the_schedule_does_not_bring_down_the_life
     app = pd_over(
         engine_answering(ODD_ENGINE_ANSWERS["usage_not_a_number"]), fleet, [E0], equivalence_interval=0.1
     )
-    from .test_equivalence import serving_without_wait
-
     with anyio.fail_after(5):
-        async with serving_without_wait(app):
+        async with serving(app):
             await anyio.sleep(0.5)
             runs = middleware_of(app).equivalence.cost.runs
     assert runs >= 2
@@ -394,35 +391,9 @@ async def test_at_most_one_requests_media_is_held() -> None:
 
 @contextmanager
 def server(answers: dict[tuple[str, str], Any]) -> Iterator[str]:
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, method: str) -> None:
-            if method == "POST":
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-            found = answers.get((method, self.path))
-            status_code, body = (404, b"{}") if found is None else (200, json.dumps(found).encode())
-            self.send_response(status_code)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            self._answer("GET")
-
-        def do_POST(self) -> None:
-            self._answer("POST")
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_port}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+    """tests/test_check_strict.py's loopback server, its URL alone."""
+    with answering(answers) as (url, _):
+        yield url
 
 
 @pytest.fixture(autouse=True)
