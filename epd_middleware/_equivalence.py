@@ -449,6 +449,8 @@ class Equivalence:
 
     def _busy(self, host: Host) -> str | None:
         """Why the engine is too busy for a probe now (None: it is not): clients come first."""
+        if host.shutting_down():
+            return "this server is shutting down: its engine aborts every request added"
         load, policy = host.unfinished_requests(), self.policy
         if load is not None and load >= policy.max_pd_load:
             return f"the engine has {load} unfinished requests (equivalence_max_pd_load {policy.max_pd_load})"

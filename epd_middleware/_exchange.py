@@ -15,13 +15,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ._answers import answer
 from ._asgi import first_header, replay
 from ._context import RequestContext
+from ._draining import AbortWatch, refusal
 from ._logs import logger, request_id_of, request_scope
 from ._pipeline import Pipeline
 from ._protocol import DATA_PARALLEL_RANK_HEADER, REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
 from ._surfaces import ParsedRequest, Surface
 from ._tracing import inject, record, request_span
-from .errors import BodyTooLarge, EPDError, Unauthorized
+from .errors import BodyTooLarge, EPDError, ShuttingDown, Unauthorized
 from .host import Host
 from .transport import Transport
 
@@ -144,6 +145,8 @@ class Exchange:
         pipeline, headers, request_id = self.pipeline, self.scope["headers"], self.request_id
         retries = pipeline.config.engine_retries
         for attempt in range(retries + 1):
+            if await self._refused_while_stopping():
+                return
             try:
                 # The caller leaving now cancels this (and the encoder or prefill calls in it).
                 caller.preparing = True
@@ -156,6 +159,8 @@ class Exchange:
                 return
             finally:
                 caller.preparing = False
+            if await self._refused_while_stopping():
+                return  # its encoder calls ran, but the engine would abort it now
             scope = dict(self.scope)
             trace: dict[str, str] = {}
             inject(self.host.traces, trace)
@@ -168,7 +173,12 @@ class Exchange:
                 hold=attempt < retries,
                 hold_for=self.host.push_wait_s if prepared.pushed else None,
             )
-            await self.app(scope, replay(prepared.body, caller.receive), guard.send)
+            watch = AbortWatch(guard.send, self.host, self.surface.aborted)
+            await self.app(scope, replay(prepared.body, caller.receive), watch.send)
+            if watch.aborted:
+                pipeline.stats.request("error_503")
+                await self._answer(ShuttingDown(pipeline.config.retry_after))
+                return
             if guard.status == 200:
                 pipeline.engine_answered(request, self.surface)
             if guard.waited_out:
@@ -191,6 +201,15 @@ class Exchange:
                 attempt + 1,
                 retries,
             )
+
+    async def _refused_while_stopping(self) -> bool:
+        """Answered 503 because the server shuts down (``_draining.py``)."""
+        refused = refusal(self.host, self.pipeline.config.retry_after)
+        if refused is None:
+            return False
+        self.pipeline.stats.request(f"error_{refused.status}")
+        await self._answer(refused)
+        return True
 
     async def _answer(self, error: EPDError) -> None:
         """The middleware's own error, in the surface's language (Anthropic's on Messages)."""

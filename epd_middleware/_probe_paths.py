@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Scope
 from ._comparison import ProbeAnswer, answer_of
 from ._in_process import ask_app
 from ._protocol import CHAT_COMPLETIONS_PATH, DATA_PARALLEL_RANK_HEADER
-from ._surfaces import ParsedRequest, Unusable, openai_chat
+from ._surfaces import ParsedRequest, Unusable, choices_aborted, openai_chat
 from .errors import EPDError, UpstreamError
 from .host import Host
 from .transport import Transport
@@ -112,6 +112,9 @@ async def ask_engine(
     if reply.status != 200 or not isinstance(decoded, dict):
         said = reply.body[:300].decode("utf-8", "replace")
         raise PathFailed(f"the engine answered HTTP {reply.status}: {said}")
+    if choices_aborted(decoded):
+        # Not the model's answer: the engine began shutting down after the probe looked (_draining.py).
+        raise PathFailed("the engine aborted the request: the server is shutting down")
     cost.add(decoded)
     try:
         return answer_of(decoded)

@@ -25,6 +25,7 @@ __all__ = [
     "RefusedField",
     "RequestNotSendable",
     "RequestTimedOut",
+    "ShuttingDown",
     "TooManyMediaItems",
     "Unauthorized",
     "UnreadableRequest",
@@ -217,6 +218,17 @@ class Overloaded(_RetryLater):
 
 class NoHealthyUpstream(_RetryLater):
     """Every server of a pool (encoders, prefill servers) is ejected and the policy is 'error'."""
+
+
+class ShuttingDown(_RetryLater):
+    """This server is shutting down (SIGTERM): its engine takes no more requests, so one not yet handed
+    to it is answered, not aborted; another server can run it."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(
+            "this server is shutting down and did not run the request: retry it on another server",
+            retry_after,
+        )
 
 
 class UpstreamError(EPDError):

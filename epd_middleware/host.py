@@ -92,6 +92,8 @@ class Host:
     # prefills (vLLM's max_num_batched_tokens): how long a request placed here waits for the GPU.
     engine_queued_tokens: Callable[[], int] | None = field(default=None, repr=False, compare=False)
     step_tokens: int | None = None
+    # Whether the local engine is shutting down (SIGTERM: vLLM drains it, then stops it); None: not known.
+    engine_stopping: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
     # The served model's dtype as vLLM runs it ("bfloat16", "float16", "float32"; None: not known): how
     # closely two paths' logprobs can agree (_equivalence.py).
     dtype: str | None = None
@@ -134,6 +136,7 @@ class Host:
         host = cls.of_vllm(vllm_config, args if args is not None else getattr(state, "args", None), config)
         host.engine_load = _engine_client_counter(state, "get_num_unfinished_requests")
         host.engine_queued_tokens = _engine_client_counter(state, "get_num_queued_tokens")
+        host.engine_stopping = _engine_client_stopping(state)
         return host
 
     @classmethod
@@ -248,6 +251,16 @@ class Host:
     def unfinished_requests(self) -> int | None:
         """The requests the local engine has unfinished now (its load), or None where not known."""
         return _count(self.engine_load)
+
+    def shutting_down(self) -> bool:
+        """Whether the local engine stops taking requests: vLLM was sent SIGTERM (it drains what the
+        engine holds, and aborts what reaches it from then on), or the engine is gone."""
+        if self.engine_stopping is None:
+            return False
+        try:
+            return self.engine_stopping()
+        except Exception:  # an engine client in a state vLLM itself would not answer from
+            return False
 
     def queued_tokens(self) -> int | None:
         """The prompt tokens of the local engine's requests still in prefill, or None where not known."""
@@ -478,6 +491,27 @@ def _engine_client_counter(state: object, name: str) -> Callable[[], int] | None
     client = getattr(state, "engine_client", None)
     count = getattr(client, name, None)
     return count if callable(count) else None
+
+
+def _engine_client_stopping(state: object) -> Callable[[], bool] | None:
+    """Whether vLLM's engine client on the app's state is shutting down, read without a call to the
+    engine. On SIGTERM vLLM's API server runs ``engine_client.shutdown(timeout)`` (``launchers/
+    launcher.py``), whose first step detaches the core client's finalizer (``v1/engine/core_client.py``,
+    MPClient and InprocClient alike): vLLM's own output loop reads ``_finalizer.alive`` as "shutting
+    down". From then on the engine core aborts every request added (``_reject_add_in_shutdown``), which
+    vLLM answers 200 with ``finish_reason: "abort"`` and no output. ``errored``, public, covers an
+    engine already gone and vLLM versions without the finalizer."""
+    client = getattr(state, "engine_client", None)
+    if client is None:
+        return None
+
+    def stopping() -> bool:
+        finalizer = getattr(getattr(client, "engine_core", None), "_finalizer", None)
+        if finalizer is not None and getattr(finalizer, "alive", True) is False:
+            return True
+        return getattr(client, "errored", False) is True
+
+    return stopping
 
 
 def _count(read: Callable[[], int] | None) -> int | None:

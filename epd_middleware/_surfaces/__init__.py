@@ -118,6 +118,22 @@ def openai_error_body(error: EPDError) -> bytes:
     return error.body()
 
 
+def choices_aborted(answer: Mapping[str, Any]) -> bool:
+    """Whether a chat answer is vLLM's abort of a request it never ran: every choice finished as
+    ``"abort"`` with no text, as the engine answers a request added while it shuts down."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("finish_reason") != "abort":
+            return False
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+        if text:
+            return False
+    return True
+
+
 def no_prefill_blocker(fields: Mapping[str, Any]) -> str | None:
     """For surfaces whose requests carry all they need: any prefill server can take them."""
     return None
@@ -160,6 +176,8 @@ class Surface:
     reads_scheduling_fields: bool = True
     # The body of the middleware's own error answers, in the surface's language.
     error_body: Callable[[EPDError], bytes] = openai_error_body
+    # Whether an answer of the engine (its JSON object) is an abort of a request the engine never ran.
+    aborted: Callable[[Mapping[str, Any]], bool] = choices_aborted
 
     def encoder_body(
         self,

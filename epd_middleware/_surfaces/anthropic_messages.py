@@ -146,6 +146,12 @@ def error_body(error: EPDError) -> bytes:
     return error_json({"type": "error", "error": detail})
 
 
+def aborted(answer: Mapping[str, Any]) -> bool:
+    """vLLM's Messages answer to an aborted request: no content and no ``stop_reason`` (its
+    ``_to_anthropic_stop_reason`` maps ``"abort"`` to None)."""
+    return answer.get("type") == "message" and answer.get("stop_reason") is None and not answer.get("content")
+
+
 SURFACE = Surface(
     path=p.MESSAGES_PATH,
     field=p.MESSAGES,
@@ -153,6 +159,7 @@ SURFACE = Surface(
     pins_uuids=False,
     reads_scheduling_fields=False,
     error_body=error_body,
+    aborted=aborted,
     # Messages has no metadata-only image block.
     rewrites=False,
     may_hold_media=may_hold_media,

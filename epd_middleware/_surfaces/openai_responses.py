@@ -134,6 +134,15 @@ def prefill_blocker(fields: Mapping[str, Any]) -> str | None:
     return None
 
 
+def aborted(answer: Mapping[str, Any]) -> bool:
+    """vLLM's Responses answer to an aborted request (``responses/serving.py``): ``"cancelled"`` where
+    it has output, ``"incomplete"`` with none."""
+    status = answer.get("status")
+    return answer.get("object") == "response" and (
+        status == "cancelled" or (status == "incomplete" and not answer.get("output"))
+    )
+
+
 SURFACE = Surface(
     path=p.RESPONSES_PATH,
     field=_INPUT,
@@ -146,4 +155,5 @@ SURFACE = Surface(
     prefill_limits=prefill_limits,
     where=where,
     prefill_blocker=prefill_blocker,
+    aborted=aborted,
 )
