@@ -34,9 +34,9 @@ from ._protocol import (
     example_connector_file,
 )
 from ._rawjson import text_of
-from ._surfaces import ParsedRequest, Surface
+from ._surfaces import ParsedRequest, Surface, choices_aborted
 from ._upstream import Attempt, DeadlinePassed
-from .errors import UpstreamBadReply, UpstreamError, UpstreamTimeout
+from .errors import UpstreamBadReply, UpstreamError, UpstreamStopping, UpstreamTimeout
 from .transport import Body, Transport
 
 __all__ = ["EncodeJob", "EncodeOutcome", "EncoderRequest", "encode"]
@@ -230,6 +230,8 @@ def _parts(call: EncoderCall) -> list[Mapping[str, Any]]:
 def _handles(
     server: str, call: EncoderCall, request: EncoderRequest, reply: dict[str, Any], job: EncodeJob
 ) -> dict[ItemKey, Handle]:
+    if not reply.get(EC_TRANSFER_PARAMS) and choices_aborted(reply):
+        raise UpstreamStopping(server)  # not "no handle, leave it raw": another encoder can run it
     handles = match_reply(server, call.items, reply.get(EC_TRANSFER_PARAMS))
     if job.raw_blocked is not None and len(handles) < len(call.items):
         raise UpstreamBadReply(

@@ -35,6 +35,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamRejected",
     "UpstreamStatusError",
+    "UpstreamStopping",
     "UpstreamTimeout",
     "UpstreamUnavailable",
     "VllmError",
@@ -377,6 +378,18 @@ class UpstreamBadReply(UpstreamError):
     """The server answered 200 with a body the middleware cannot use, or an embedding that is missing."""
 
     outcome = "bad_reply"
+
+
+class UpstreamStopping(UpstreamError):
+    """The server answered its engine's abort of the call, having run nothing: it is shutting down
+    (vLLM aborts every request added while it drains). Another server takes the call; this one counts
+    a failure, as it leaves."""
+
+    status = 503
+    outcome = "stopping"
+
+    def __init__(self, server: str, *, role: str = "encoder") -> None:
+        super().__init__(server, "it is shutting down (its engine aborted the call unrun)", role=role)
 
 
 class RequestNotSendable(UpstreamError):

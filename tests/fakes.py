@@ -179,7 +179,8 @@ class FakeEncoders:
 
     ``mode[url]`` makes an encoder misbehave: "ok", "500", "400", "hang", "refuse", "garbage",
     "not_object", "no_entries", "empty_metadata", "bad_indices", "unmatched", "drop_connection",
-    "wrong_modality" (0.33's ``modality`` naming another one), "bad_modality" (not a string).
+    "wrong_modality" (0.33's ``modality`` naming another one), "bad_modality" (not a string), "abort"
+    (shutting down: vLLM's abort of a call added while its engine drains).
     """
 
     urls: list[str]
@@ -263,6 +264,11 @@ class FakeEncoders:
             return httpx.Response(200, content=b"<html>oops</html>")
         if mode == "not_object":
             return httpx.Response(200, json=[1, 2, 3])
+        if mode == "abort":  # vLLM draining (SIGTERM): the engine aborts the call unrun
+            reply = encoder_reply(body, {}, request.headers.get("x-request-id"))
+            reply["choices"][0]["finish_reason"] = "abort"
+            reply["ec_transfer_params"] = None
+            return httpx.Response(200, json=reply)
         self.completed.append(encoder)
         reply = self.reply(body, mode, request.headers.get("x-request-id"))
         if self.storage is not None and encoder not in self.skip_store:

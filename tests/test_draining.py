@@ -112,11 +112,13 @@ async def test_a_request_arriving_at_a_server_shutting_down_is_answered_503_with
     assert response.status_code == 503
     assert response.headers["retry-after"] == "7"
     error = response.json()["error"]
-    assert "shutting down" in error["message"] and "another server" in error["message"]
-    assert encoders.calls == [] and engine.received == []
+    assert "shutting down" in error["message"]
+    assert "another server" in error["message"]
+    assert encoders.calls == []
+    assert engine.received == []
 
 
-async def test_a_request_whose_server_began_shutting_down_during_its_encoder_calls_never_reaches_the_engine() -> (
+async def test_a_request_whose_server_began_stopping_during_its_encoder_calls_never_reaches_the_engine() -> (
     None
 ):
     engine, encoders = Engine(), FakeEncoders([E0])
@@ -133,7 +135,8 @@ async def test_a_request_whose_server_began_shutting_down_during_its_encoder_cal
         response = await post(app, chat_body(image(PNG)))
     assert len(encoders.calls) == 1  # it ran: the encoder calls in flight finish
     assert engine.received == []  # but the engine would have aborted it
-    assert response.status_code == 503 and "retry-after" in response.headers
+    assert response.status_code == 503
+    assert "retry-after" in response.headers
 
 
 async def test_an_abort_the_engine_answers_because_it_stopped_after_the_middleware_looked_becomes_a_503() -> (
@@ -143,7 +146,8 @@ async def test_an_abort_the_engine_answers_because_it_stopped_after_the_middlewa
     engine.stop_on_arrival = True
     response = await post(serving(engine, encoders), chat_body(image(PNG)))
     assert len(engine.received) == 1
-    assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+    assert response.status_code == 503
+    assert "shutting down" in response.json()["error"]["message"]
 
 
 async def test_an_abort_on_messages_becomes_a_503_in_anthropics_shape() -> None:
@@ -163,7 +167,8 @@ async def test_an_abort_on_messages_becomes_a_503_in_anthropics_shape() -> None:
     }
     response = await post(serving(engine, encoders), body, "/v1/messages")
     assert response.status_code == 503
-    assert response.json()["type"] == "error" and "shutting down" in response.json()["error"]["message"]
+    assert response.json()["type"] == "error"
+    assert "shutting down" in response.json()["error"]["message"]
 
 
 async def test_an_abort_on_responses_becomes_a_503() -> None:
@@ -189,14 +194,16 @@ async def test_an_answer_the_engine_drained_to_its_end_passes_as_it_came() -> No
     engine.stop_on_arrival = True
     engine.answer_while_stopping = CHAT_DONE
     response = await post(serving(engine, encoders), chat_body(image(PNG)))
-    assert response.status_code == 200 and response.json() == CHAT_DONE
+    assert response.status_code == 200
+    assert response.json() == CHAT_DONE
 
 
 async def test_a_stream_passes_as_it_comes_even_while_the_server_shuts_down() -> None:
     engine, encoders = Engine(), FakeEncoders([E0])
     engine.stop_on_arrival = True
     response = await post(serving(engine, encoders), chat_body(image(PNG), stream=True))
-    assert response.status_code == 200 and '"finish_reason":"abort"' in response.text
+    assert response.status_code == 200
+    assert '"finish_reason":"abort"' in response.text
 
 
 async def test_text_only_requests_keep_vllms_own_answer() -> None:
@@ -204,14 +211,16 @@ async def test_text_only_requests_keep_vllms_own_answer() -> None:
     engine.stopping = True
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     response = await post(serving(engine, encoders), body)
-    assert response.status_code == 200 and response.json() == CHAT_ABORT
+    assert response.status_code == 200
+    assert response.json() == CHAT_ABORT
 
 
 async def test_a_server_that_does_not_shut_down_answers_as_before() -> None:
     engine, encoders = Engine(), FakeEncoders([E0, E1])
     for _ in range(3):
         response = await post(serving(engine, encoders), chat_body(image(PNG)))
-        assert response.status_code == 200 and response.json() == CHAT_DONE
+        assert response.status_code == 200
+        assert response.json() == CHAT_DONE
 
 
 # What the middleware reads of vLLM's engine client ------------------------------------------------------
@@ -300,7 +309,8 @@ async def test_the_watch_holds_only_json_answers_begun_while_stopping_and_passes
     watch = AbortWatch(send, host, choices_aborted)
     await watch.send(start)
     await watch.send({"type": "http.response.body", "body": body})
-    assert not watch.aborted and len(sent) == 2  # not stopping: passed at once
+    assert not watch.aborted
+    assert len(sent) == 2
 
     stopping[0] = True
     sent.clear()
@@ -309,16 +319,51 @@ async def test_the_watch_holds_only_json_answers_begun_while_stopping_and_passes
     await watch.send({"type": "http.response.body", "body": body[:10], "more_body": True})
     assert sent == []
     await watch.send({"type": "http.response.body", "body": body[10:]})
-    assert watch.aborted and sent == []
+    assert watch.aborted
+    assert sent == []
 
     done = json.dumps(CHAT_DONE).encode()
     watch = AbortWatch(send, host, choices_aborted)
     await watch.send(start)
     await watch.send({"type": "http.response.body", "body": done})
-    assert not watch.aborted and [m.get("body") for m in sent] == [None, done]
+    assert not watch.aborted
+    assert [m.get("body") for m in sent] == [None, done]
 
     sent.clear()
     watch = AbortWatch(send, host, choices_aborted)
     await watch.send({**start, "status": 400})
     await watch.send({"type": "http.response.body", "body": body})
-    assert not watch.aborted and len(sent) == 2  # only a 200 can be an abort
+    assert not watch.aborted
+    assert len(sent) == 2
+
+
+# An encoder shutting down ------------------------------------------------------------------------------
+
+
+async def test_an_encoder_shutting_down_costs_no_request_its_abort_is_run_on_another_encoder() -> None:
+    """A draining encoder's engine aborts what reaches it: the call goes to another encoder, and the item
+    reaches the engine encoded, not raw (where a Mooncake consumer could not encode it)."""
+    engine, encoders = Engine(), FakeEncoders([E0, E1], mode={E0: "abort"})
+    app = serving(engine, encoders)
+    stack = app.build_middleware_stack()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=stack), base_url="http://pd") as client:
+        response = await client.post("/v1/chat/completions", json=chat_body(image(PNG)))
+    assert response.status_code == 200
+    assert response.json() == CHAT_DONE
+    assert [call.encoder for call in encoders.calls] == [E0, E1]
+    [sent] = engine.received
+    assert sent["ec_transfer_params"]
+    assert "image_url" not in json.dumps(sent["messages"])
+    layer: Any = stack
+    while not isinstance(layer, EPDMiddleware):
+        layer = layer.app
+    assert layer.pipeline.counters["encoder_calls_stopping"] == 1
+
+
+async def test_every_encoder_shutting_down_is_a_503_with_retry_after() -> None:
+    engine, encoders = Engine(), FakeEncoders([E0, E1], mode={E0: "abort", E1: "abort"})
+    response = await post(serving(engine, encoders), chat_body(image(PNG)))
+    assert response.status_code == 503
+    assert "retry-after" in response.headers
+    assert "shutting down" in response.json()["error"]["message"]
+    assert engine.received == []
