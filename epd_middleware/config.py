@@ -10,7 +10,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 from urllib.parse import urlsplit
 
@@ -61,6 +61,74 @@ class ConfigurationError(ValueError):
     def __init__(self, what: str, problems: Sequence[str]) -> None:
         super().__init__(f"{what}: " + "; ".join(problems))
         self.problems = list(problems)
+
+
+class _Problems(ValueError):
+    """Every problem of one option's value (each bad entry of a list), so that the configuration's error
+    names them all at once rather than the first alone."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
+def _each(check: Callable[[str], object], entries: Sequence[str]) -> None:
+    """Runs ``check`` on every entry; raises :class:`_Problems` with every entry it refused."""
+    problems = []
+    for entry in entries:
+        try:
+            check(entry)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise _Problems(problems)
+
+
+def _checked_url(role: str, url: str) -> str:
+    """One encoder or prefill URL, without a trailing slash (or /v1); ValueError says what is wrong."""
+    # A URL may carry a password whatever else is wrong with it: every message names it masked.
+    shown = masked(url)
+    if any(character.isspace() or character == ";" for character in url):
+        raise ValueError(
+            f"{role} URL {shown[:100]!r} holds a space or ';': separate several URLs with commas"
+        )
+    parts = urlsplit(url)
+    if "@" in parts.netloc:
+        # Credentials in a URL would show wherever the URL does (errors, the status page, metric labels),
+        # and no call would send them: refused, and the secret never repeated.
+        raise ValueError(
+            f"{role} URL {shown!r} carries credentials (user:password@); give the servers' key as "
+            "encoder_api_key (EPD_ENCODER_API_KEY) instead"
+        )
+    if parts.scheme not in ("http", "https", "dns+http", "dns+https") or not parts.netloc:
+        raise ValueError(f"{role} URL {shown!r} is not an http(s) or dns+http(s) URL with a host")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{role} URL {shown!r} must not carry a query or fragment")
+    port_text = parts.netloc.rpartition("]")[2].rpartition(":")
+    if port_text[1] and port_number(port_text[2]) is None:
+        if shown == url and not (port_text[2].isascii() and port_text[2].isdigit()):
+            # Not a number: perhaps the start of a password the list's commas cut off
+            # ("http://user:pa,ss@host"), so it is not repeated either.
+            end = url.find("//") + 2 + len(parts.netloc)
+            shown = f"{url[: end - len(port_text[2])]}...{url[end:]}"
+        raise ValueError(f"{role} URL {shown!r}: the port must be a number from 1 to 65535")
+    if not parts.hostname:
+        raise ValueError(f"{role} URL {shown!r} has no host")
+    if parts.scheme.startswith("dns+"):
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if port is None or parts.path.strip("/"):
+            raise ValueError(f"{role} URL {shown!r}: a dns+ URL is dns+http(s)://NAME:PORT")
+    url = url.rstrip("/")
+    if parts.path.rstrip("/").endswith("/v1"):
+        # An OpenAI-style base URL: the calls add /v1/... themselves, so /v1 would be asked twice.
+        url = url.removesuffix("/v1")
+        logger.warning(
+            "epd: %s URL %s/v1: the middleware adds /v1/... itself; using %s", role, masked(url), masked(url)
+        )
+    return url
 
 
 class EPDConfig(BaseModel):
@@ -540,56 +608,16 @@ class EPDConfig(BaseModel):
     @classmethod
     def _check_urls(cls, urls: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
         role = "encoder" if info.field_name == "encoders" else "prefill"
-        cleaned = []
+        cleaned, problems = [], []
         for url in urls:
-            # A URL may carry a password whatever else is wrong with it: every message names it masked.
-            shown = masked(url)
-            if any(character.isspace() or character == ";" for character in url):
-                raise ValueError(
-                    f"{role} URL {shown[:100]!r} holds a space or ';': separate several URLs with commas"
-                )
-            parts = urlsplit(url)
-            if "@" in parts.netloc:
-                # Credentials in a URL would show wherever the URL does (errors, the status page, metric
-                # labels), and no call would send them: refused, and the secret never repeated.
-                raise ValueError(
-                    f"{role} URL {shown!r} carries credentials (user:password@); give the servers' key as "
-                    "encoder_api_key (EPD_ENCODER_API_KEY) instead"
-                )
-            if parts.scheme not in ("http", "https", "dns+http", "dns+https") or not parts.netloc:
-                raise ValueError(f"{role} URL {shown!r} is not an http(s) or dns+http(s) URL with a host")
-            if parts.query or parts.fragment:
-                raise ValueError(f"{role} URL {shown!r} must not carry a query or fragment")
-            port_text = parts.netloc.rpartition("]")[2].rpartition(":")
-            if port_text[1] and port_number(port_text[2]) is None:
-                if shown == url and not (port_text[2].isascii() and port_text[2].isdigit()):
-                    # Not a number: perhaps the start of a password the list's commas cut off
-                    # ("http://user:pa,ss@host"), so it is not repeated either.
-                    end = url.find("//") + 2 + len(parts.netloc)
-                    shown = f"{url[: end - len(port_text[2])]}...{url[end:]}"
-                raise ValueError(f"{role} URL {shown!r}: the port must be a number from 1 to 65535")
-            if not parts.hostname:
-                raise ValueError(f"{role} URL {shown!r} has no host")
-            if parts.scheme.startswith("dns+"):
-                try:
-                    port = parts.port
-                except ValueError:
-                    port = None
-                if port is None or parts.path.strip("/"):
-                    raise ValueError(f"{role} URL {shown!r}: a dns+ URL is dns+http(s)://NAME:PORT")
-            url = url.rstrip("/")
-            if parts.path.rstrip("/").endswith("/v1"):
-                # An OpenAI-style base URL: the calls add /v1/... themselves, so /v1 would be asked twice.
-                url = url.removesuffix("/v1")
-                logger.warning(
-                    "epd: %s URL %s/v1: the middleware adds /v1/... itself; using %s",
-                    role,
-                    masked(url),
-                    masked(url),
-                )
-            cleaned.append(url)
+            try:
+                cleaned.append(_checked_url(role, url))
+            except ValueError as exc:
+                problems.append(str(exc))
         if len(set(cleaned)) != len(cleaned):
-            raise ValueError(f"{role} URLs are repeated: {[masked(url) for url in urls]}")
+            problems.append(f"{role} URLs are repeated: {[masked(url) for url in urls]}")
+        if problems:
+            raise _Problems(problems)
         return tuple(cleaned)
 
     @field_validator("ec_consumer_zmq")
@@ -612,22 +640,21 @@ class EPDConfig(BaseModel):
     @field_validator("scheduler_allow")
     @classmethod
     def _check_allow(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
-        parse_allowlist(entries)
+        _each(lambda entry: parse_allowlist((entry,)), entries)
         return entries
 
     @field_validator("dns_nameservers")
     @classmethod
     def _check_nameservers(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
-        for entry in entries:
-            parse_nameserver(entry)
+        _each(parse_nameserver, entries)
         return entries
 
     @field_validator("paths", "batch_paths", "messages_paths", "responses_paths")
     @classmethod
     def _check_paths(cls, paths: tuple[str, ...]) -> tuple[str, ...]:
-        for path in paths:
-            if not path.startswith("/"):
-                raise ValueError(f"path {masked(path)!r} must start with '/'")
+        wrong = [f"path {masked(path)!r} must start with '/'" for path in paths if not path.startswith("/")]
+        if wrong:
+            raise _Problems(wrong)
         return paths
 
     @field_validator("status_path")
@@ -766,7 +793,7 @@ class EPDConfig(BaseModel):
         try:
             config = cls(**values)
         except ValidationError as exc:
-            problems = [_env_problem(cls, error) for error in exc.errors()]
+            problems = [problem for error in exc.errors() for problem in _env_problem(cls, error)]
             if values.get("strict_env") in _TRUE and unknown:
                 problems.extend(unknown)
             raise ConfigurationError("invalid EPD_* environment configuration", problems) from None
@@ -784,7 +811,8 @@ class EPDConfig(BaseModel):
             return cls(**options)
         except ValidationError as exc:
             raise ConfigurationError(
-                "invalid EPDMiddleware configuration", [_option_problem(error) for error in exc.errors()]
+                "invalid EPDMiddleware configuration",
+                [problem for error in exc.errors() for problem in _option_problem(error)],
             ) from None
 
     @classmethod
@@ -809,24 +837,31 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     return found
 
 
-def _env_problem(model: type[EPDConfig], error: Any) -> str:
+def _env_problem(model: type[EPDConfig], error: Any) -> list[str]:
     location = error["loc"]
     if not location:
         message = str(error["msg"]).removeprefix("Value error, ")
         if "at least one encoder URL is required" in message:
-            return (
+            return [
                 f"{model.env_var('encoders')} is not set; give the encoder base URLs, comma-separated "
                 f"(EPD_ENCODERS=http://enc-0:8001,http://enc-1:8001), or {model.env_var('prefill')} for P/D "
                 f"without remote encoders, or {model.env_var('scheduler')}=llm-d"
-            )
-        return message
-    return f"{model.env_var(str(location[0]))}: {_message(error)}"
+            ]
+        return [message]
+    return [f"{model.env_var(str(location[0]))}: {message}" for message in _messages(error)]
 
 
-def _option_problem(error: Any) -> str:
+def _option_problem(error: Any) -> list[str]:
     location = error["loc"]
-    message = _message(error)
-    return f"{location[0]}: {message}" if location else message
+    return [f"{location[0]}: {message}" if location else message for message in _messages(error)]
+
+
+def _messages(error: Any) -> list[str]:
+    """One message per problem of the error: each bad entry of a list (:class:`_Problems`) is one."""
+    raised = (error.get("ctx") or {}).get("error")
+    if isinstance(raised, _Problems):
+        return raised.problems
+    return [_message(error)]
 
 
 def _message(error: Any) -> str:
