@@ -4,14 +4,18 @@ names resolve to (A and AAAA; a Kubernetes headless Service has one record per r
 Where a lifespan runs, names are looked up again every ``dns_refresh_interval`` seconds in the
 background; where none does, the first request awaits the first lookup (bounded by ``dns_timeout``) and
 later lookups run beside the requests that notice the answer is old, never in their way. A failed lookup
-keeps the last good answer; an empty one (no records, or no such name) means no members from that name.
+keeps the last good answer; an empty one (no records, or no such name) means no members from that name,
+and the snapshot says which of the two it was: they call for different fixes.
 
-DNS is asked with dnspython, given the running anyio backend explicitly (its default backend is chosen
-once per process).
+A name the hosts file (/etc/hosts) holds is answered from it, as the system resolver answers it (glibc's
+and musl's "files" before "dns"): dnspython reads only resolv.conf, so ``dns+http://localhost:8001`` or a
+name from a pod's hostAliases would otherwise never resolve. Every other name is asked of DNS with
+dnspython, given the running anyio backend explicitly (its default backend is chosen once per process).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +34,14 @@ from ._logs import logger
 from ._metrics import Stats
 from ._pool import ServerPool
 
-__all__ = ["Discovery", "DnsName"]
+__all__ = ["HOSTS_FILE", "Discovery", "DnsName", "hosts_entries"]
+
+# Read again on every refresh: a container's hosts file is written when it starts, a host's may change.
+HOSTS_FILE = "/etc/hosts"
+# Why an answer holds no address (the snapshot's "empty_answer"): the name does not exist (NXDOMAIN: a
+# mistyped name, or, as Kubernetes' DNS specification has it, a headless Service without ready pods), or
+# it exists with no A or AAAA record (NOERROR without an answer: not a Service's name).
+NXDOMAIN, NODATA = "nxdomain", "nodata"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +71,7 @@ class _NameState:
     resolved_at: float | None = None  # monotonic time of the last good answer
     last_error: str | None = None
     failures: int = 0
+    empty: str | None = None  # NXDOMAIN or NODATA where the last good answer held no address
 
 
 @dataclass
@@ -148,9 +160,10 @@ class Discovery:
             # brings it), asyncio otherwise. dnspython's sniff() asks the same way, uncached, unlike its
             # default backend, which is chosen once per process.
             backend = dns.asyncbackend.get_backend(dns.asyncbackend.sniff())
+            hosts = await hosts_entries()
             async with anyio.create_task_group() as group:
                 for name in self.names:
-                    group.start_soon(self._look_up, resolver, backend, name)
+                    group.start_soon(self._look_up, resolver, backend, name, hosts.get(name.name.rstrip(".")))
             members = list(self.static)
             for name in self.names:
                 members.extend(name.member(address) for address in self._states[name.url].addresses)
@@ -171,18 +184,26 @@ class Discovery:
         resolver.lifetime = self.timeout
         return resolver
 
-    async def _look_up(self, resolver: dns.asyncresolver.Resolver, backend: Any, name: DnsName) -> None:
+    async def _look_up(
+        self,
+        resolver: dns.asyncresolver.Resolver,
+        backend: Any,
+        name: DnsName,
+        in_hosts: tuple[str, ...] | None,
+    ) -> None:
         state = self._states[name.url]
         role = self.pool.role
-        addresses: list[str] = []
+        addresses: list[str] = list(in_hosts or ())
+        empty: str | None = None
         try:
-            for rdtype in ("A", "AAAA"):
+            for rdtype in ("A", "AAAA") if in_hosts is None else ():
                 answer = await resolver.resolve(
                     name.name, rdtype, search=True, raise_on_no_answer=False, backend=backend
                 )
                 addresses.extend(sorted(str(record) for record in answer))
+            empty = None if addresses else NODATA
         except dns.resolver.NXDOMAIN:
-            addresses = []  # the name has no records at all: no members from it
+            addresses, empty = [], NXDOMAIN  # the name has no records at all: no members from it
         except (dns.exception.DNSException, OSError) as exc:
             state.failures += 1
             state.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -202,16 +223,45 @@ class Discovery:
         state.addresses = found
         state.resolved_at = time.monotonic()
         state.last_error = None
+        state.empty = empty
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
-        """Per DNS name: the addresses in use, the age of that answer, the last failure."""
+        """Per DNS name: the addresses in use, the age of that answer, why it is empty (``nxdomain``,
+        ``nodata``, or None), the last failure."""
         now = time.monotonic()
         return {
             name.url: {
                 "addresses": list(state.addresses),
                 "answer_age_s": None if state.resolved_at is None else round(now - state.resolved_at, 3),
+                "empty_answer": state.empty,
                 "failed_lookups": state.failures,
                 "last_error": state.last_error,
             }
             for name, state in ((name, self._states[name.url]) for name in self.names)
         }
+
+
+async def hosts_entries(path: str | None = None) -> dict[str, tuple[str, ...]]:
+    """The hosts file's addresses by name (lower case): IPv4 before IPv6, each sorted, every line that
+    names it (as glibc returns them all). An unreadable file holds nothing: DNS answers every name."""
+    try:
+        text = await anyio.Path(HOSTS_FILE if path is None else path).read_text(errors="replace")
+    except OSError:
+        return {}
+    found: dict[str, set[ipaddress.IPv4Address | ipaddress.IPv6Address]] = {}
+    for line in text.splitlines():
+        fields = line.partition("#")[0].split()
+        if len(fields) < 2:
+            continue
+        if "%" in fields[0]:
+            continue  # a scoped IPv6 address (fe80::1%eth0) is no member URL's host
+        try:
+            address = ipaddress.ip_address(fields[0])
+        except ValueError:
+            continue
+        for alias in fields[1:]:
+            found.setdefault(alias.lower().rstrip("."), set()).add(address)
+    return {
+        alias: tuple(str(a) for a in sorted(addresses, key=lambda a: (a.version, a)))
+        for alias, addresses in found.items()
+    }

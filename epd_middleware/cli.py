@@ -62,7 +62,7 @@ import anyio
 
 from ._addresses import masked, port_number
 from ._compat import Expectation, ModelCheck, check_models
-from ._discovery import Discovery
+from ._discovery import NXDOMAIN, Discovery
 from ._http import HTTPClient, HTTPError
 from ._logs import logger
 from ._metrics import Stats
@@ -131,6 +131,26 @@ async def _unresolved(url: str, limit: float) -> str | None:
     return None
 
 
+def _empty_answer(url: str, why: str | None) -> str:
+    """What an empty DNS answer means for the operator: the two kinds have different fixes."""
+    host = urlsplit(url).hostname or ""
+    if why == NXDOMAIN:
+        # The Kubernetes DNS specification (kubernetes/dns, since 2018) has kube-dns and CoreDNS answer
+        # NXDOMAIN for a headless Service without a ready endpoint, not NODATA: from the answer alone a
+        # missing Service and one whose pods are all unready look the same.
+        return (
+            f"DNS has no such name {host} (NXDOMAIN): no Service of that name in the namespaces searched "
+            "(a typo, or another namespace: give NAME.NAMESPACE), or a headless Service none of whose pods "
+            f"is ready (Kubernetes' DNS answers NXDOMAIN for one); kubectl get endpointslices -l "
+            f"kubernetes.io/service-name={host.split('.')[0]} tells which"
+        )
+    return (
+        f"DNS knows the name {host} but it has no A or AAAA record (NOERROR, no answer): it is not a "
+        "Service's name (a namespace's name answers so: give the Service's), or names something other "
+        "than servers; a headless Service without ready pods answers NXDOMAIN instead"
+    )
+
+
 async def check_fleet(
     config: EPDConfig,
     client: Transport,
@@ -158,7 +178,7 @@ async def check_fleet(
                 if state["last_error"]:
                     problems.append(f"{role} {name}: DNS lookup failed: {state['last_error']}")
                 elif not state["addresses"]:
-                    problems.append(f"{role} {name}: DNS answered no address")
+                    problems.append(f"{role} {name}: {_empty_answer(name, state['empty_answer'])}")
         servers.extend((role, url) for url in pool.members)
 
     results: dict[tuple[str, str], tuple[tuple[str, float], Any]] = {}

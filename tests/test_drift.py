@@ -5,11 +5,19 @@ the GPU examples clean the embeddings they write."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from epd_middleware import EPDConfig, EPDMiddleware
+from epd_middleware._discovery import Discovery, hosts_entries
+from epd_middleware._http import HTTPClient
+from epd_middleware._metrics import Stats
+from epd_middleware._pool import PoolPolicy, ServerPool
+from epd_middleware.cli import check_fleet
 from epd_middleware.config import ConfigurationError
 
+from .dns_server import dns_server
 from .fakes import FakeEngine
 
 
@@ -64,3 +72,73 @@ def test_every_bad_entry_of_the_other_lists_is_named_at_once() -> None:
     named = " ".join(problems)
     for entry in ("v1/chat/completions", "v1/y", "10.0.0.0/33", "nonsense", "dns.example:53", "10.0.0.11"):
         assert repr(entry) in named, entry
+
+
+# --- check: a name DNS does not have, and a name without addresses ---
+
+
+@pytest.mark.anyio
+async def test_check_tells_a_missing_name_from_a_name_without_addresses() -> None:
+    """Before: "DNS answered no address" for both. NXDOMAIN is a name DNS does not have, which on
+    Kubernetes is also how its DNS answers a headless Service with no ready pod (the Kubernetes DNS
+    specification since 2018); NOERROR without an address is a name that exists and names no server (a
+    namespace's name, say). The operator's next step differs."""
+    async with dns_server({"epd.svc.test": []}) as dns:
+        config = EPDConfig(
+            encoders=("dns+http://epd-encoder.svc.test:8001",),
+            prefill=("dns+http://epd.svc.test:8100",),
+            dns_nameservers=(dns.address,),
+        )
+        client = HTTPClient(connect_timeout=1)
+        reports, problems = await check_fleet(config, client, None)
+        await client.aclose()
+    assert reports == []
+    missing, empty = problems
+    assert missing.startswith(
+        "encoder dns+http://epd-encoder.svc.test:8001: DNS has no such name epd-encoder.svc.test (NXDOMAIN)"
+    )
+    assert "a headless Service none of whose pods is ready" in missing
+    assert "kubernetes.io/service-name=epd-encoder" in missing
+    assert empty.startswith(
+        "prefill dns+http://epd.svc.test:8100: DNS knows the name epd.svc.test but it has no A or AAAA record"
+    )
+
+
+# --- dns+http:// names the hosts file holds ---
+
+
+@pytest.mark.anyio
+async def test_a_name_the_hosts_file_holds_resolves_without_asking_dns() -> None:
+    """Before: dnspython reads resolv.conf alone, so dns+http://localhost:8001 asked DNS, got NXDOMAIN and
+    the pool stayed empty, where every other client on the machine (the system resolver) reads /etc/hosts
+    first."""
+    async with dns_server({"enc.test": ["127.0.0.9"]}) as dns:
+        pool = ServerPool("encoder", PoolPolicy(1), Stats())
+        discovery = Discovery(
+            pool, ("dns+http://localhost:8001", "dns+http://enc.test:8002"), 60, 1, (dns.address,)
+        )
+        await discovery.refresh()
+        asked = dns.queries
+    assert "http://127.0.0.1:8001" in pool.members
+    assert "http://127.0.0.9:8002" in pool.members
+    assert asked == 2  # enc.test, A and AAAA: localhost was never asked
+    assert discovery.snapshot()["dns+http://localhost:8001"]["empty_answer"] is None
+
+
+@pytest.mark.anyio
+async def test_the_hosts_file_is_read_as_the_system_resolver_reads_it(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text(
+        "# comment line\n"
+        "10.0.0.2   Enc-A.Local enc-b  # trailing comment\n"
+        "fd00::2    enc-a.local\n"
+        "10.0.0.1   enc-a.local\n"
+        "fe80::1%eth0 enc-scoped\n"
+        "not-an-address enc-c\n"
+        "10.0.0.3\n"
+    )
+    assert await hosts_entries(str(hosts)) == {
+        "enc-a.local": ("10.0.0.1", "10.0.0.2", "fd00::2"),
+        "enc-b": ("10.0.0.2",),
+    }
+    assert await hosts_entries(str(tmp_path / "missing")) == {}
