@@ -5,6 +5,10 @@ the GPU examples clean the embeddings they write."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -142,3 +146,121 @@ async def test_the_hosts_file_is_read_as_the_system_resolver_reads_it(tmp_path: 
         "enc-b": ("10.0.0.2",),
     }
     assert await hosts_entries(str(tmp_path / "missing")) == {}
+
+
+# --- The GPU examples clean the embeddings they write ---
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+HELPER = EXAMPLES / "gpu" / "ec_cache.sh"
+# A stand-in for `vllm serve`: an encoder (ec_producer) writes one embedding where ECExampleConnector
+# would (<shared_storage_path>/<mm_hash>/encoder_cache.safetensors) and ends, which ends the launch
+# script's wait -n; every other server serves until it is killed.
+FAKE_VLLM = r"""#!/usr/bin/env bash
+config=""
+while [ $# -gt 0 ]; do
+  if [ "$1" = --ec-transfer-config ]; then config=$2; fi
+  shift
+done
+dir=$(printf %s "$config" | sed -n 's/.*"shared_storage_path":"\([^"]*\)".*/\1/p')
+case "$config" in
+  *'"ec_role":"ec_producer"'*)
+    mkdir -p "$dir/hash-$$"
+    echo embedding > "$dir/hash-$$/encoder_cache.safetensors"
+    echo "$dir/hash-$$" >> "$WRITTEN"
+    sleep 0.5 ;;
+  *) exec sleep 30 ;;
+esac
+"""
+GPU_SCRIPTS = {
+    "launch_1e_1pd.sh": {},
+    "launch_e_p_d.sh": {"NUM_ENCODERS": "1"},
+    "launch_ne_mpd.sh": {"N_ENC": "1", "N_PD": "1"},
+}
+
+
+def test_every_example_that_shares_embeddings_through_files_cleans_them() -> None:
+    """Before: the GPU scripts made /dev/shm/epd-ec-cache and filled it, memory, with every embedding
+    the encoders wrote, and nothing deleted one, while the servers ran or after."""
+    for path in sorted(EXAMPLES.rglob("*.sh")):
+        text = path.read_text()
+        if "ECExampleConnector" not in text or path.parent.name != "gpu" or path == HELPER:
+            continue
+        assert path.name in GPU_SCRIPTS, f"{path.name}: run it below too"
+        assert 'source "$(dirname "$0")/ec_cache.sh"' in text, path.name
+        # The sweeper runs before any server writes; the exit trap empties the directory.
+        assert text.index("\nec_cache_start\n") < text.index("vllm serve"), path.name
+        [trap] = re.findall(r"^trap '(.*)' EXIT INT TERM$", text, re.MULTILINE)
+        assert trap.endswith("|| true; ec_cache_stop"), (path.name, trap)
+        assert 'mkdir -p "$EC_DIR"' not in text, path.name  # ec_cache_start makes it, and remembers
+    # The CPU example keeps its storage in a directory of its own, removed at exit where it made it.
+    cpu = (EXAMPLES / "cpu" / "launch_e_p_d.sh").read_text()
+    [trap] = re.findall(r"^trap '(.*)' EXIT INT TERM$", cpu, re.MULTILINE)
+    assert 'rm -rf "$DIR"' in trap
+
+
+@pytest.mark.parametrize("script", sorted(GPU_SCRIPTS))
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_gpu_example_leaves_no_embedding_behind(tmp_path: Path, script: str, existing: bool) -> None:
+    bin_dir, written = tmp_path / "bin", tmp_path / "written"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(FAKE_VLLM)
+    (bin_dir / "vllm").chmod(0o755)
+    ec_dir = tmp_path / "ec"
+    if existing:  # the operator's own directory: what is not an embedding stays, and so does it
+        (ec_dir / "hash-old").mkdir(parents=True)
+        (ec_dir / "hash-old" / "encoder_cache.safetensors").write_text("old")
+        (ec_dir / "notes.txt").write_text("mine")
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "EC_DIR": str(ec_dir),
+        "WRITTEN": str(written),
+        "MODEL": "m",
+        **GPU_SCRIPTS[script],
+    }
+    started = time.monotonic()
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "gpu" / script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    # The sweeper and the servers were stopped, not waited out (the stand-in servers sleep 30 s).
+    assert time.monotonic() - started < 20
+    [embedding] = written.read_text().split()
+    assert embedding.startswith(str(ec_dir))  # an embedding was written where the servers share them
+    if existing:
+        assert sorted(p.name for p in ec_dir.iterdir()) == ["notes.txt"]
+    else:
+        assert not ec_dir.exists()
+
+
+def test_the_sweep_deletes_old_embeddings_and_keeps_young_ones(tmp_path: Path) -> None:
+    """What the sweeper does every EC_SWEEP_SECONDS while the servers run, as the cluster's CronJob
+    (deploy/kubernetes/base/ec-cache-cleanup.yaml) does."""
+    old = time.time() - 30 * 60
+    for name, age in (("hash-old", old), ("hash-young", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "encoder_cache.safetensors").write_text(name)
+        if age is not None:
+            os.utime(tmp_path / name / "encoder_cache.safetensors", (age, age))
+    (tmp_path / "empty-old").mkdir()
+    os.utime(tmp_path / "empty-old", (old, old))
+    (tmp_path / "empty-young").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    os.utime(tmp_path / "notes.txt", (old, old))
+    script = f'set -euo pipefail; EC_DIR="{tmp_path}"; EC_SWEEP_SECONDS=0.2; source "{HELPER}"\n'
+    script += "ec_cache_start; sleep 1.5; kill $EC_SWEEPER; wait\n"
+    result = subprocess.run(
+        ["bash", "-c", script],
+        env={"PATH": os.environ["PATH"], "EC_MAX_AGE_MINUTES": "10"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert left == [
+        "empty-young",
+        "hash-old",  # emptied now: its own age starts again
+        "hash-young",
+        "hash-young/encoder_cache.safetensors",
+        "notes.txt",
+    ]

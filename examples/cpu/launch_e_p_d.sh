@@ -8,7 +8,10 @@ cd "$(dirname "$0")/../.."
 VLLM_PY="${VLLM_PY:?set VLLM_PY to the python of a vLLM install (scripts/setup-vllm-cpu.sh prints one)}"
 "$VLLM_PY" -m pip install -q --no-deps -e .
 MODEL=$("$VLLM_PY" -c 'from pathlib import Path; from epd_lab.servers import ensure_tiny_model; import sys; print(ensure_tiny_model(sys.executable, Path.home() / ".cache/epd-middleware"))')
-DIR="${DIR:-$(mktemp -d)}"
+# The connectors never delete what they write (embeddings, KV caches): a directory this script made is
+# removed when it ends; one given as DIR is left to its owner.
+MADE=""
+if [ -z "${DIR:-}" ]; then DIR=$(mktemp -d); MADE=$DIR; fi
 mkdir -p "$DIR/ec" "$DIR/kv"
 ec() { printf '{"ec_connector":"ECExampleConnector","ec_role":"%s","ec_connector_extra_config":{"shared_storage_path":"%s/ec"}}' "$1" "$DIR"; }
 kv() { printf '{"kv_connector":"ExampleConnector","kv_role":"%s","kv_connector_extra_config":{"shared_storage_path":"%s/kv"}}' "$1" "$DIR"; }
@@ -18,7 +21,7 @@ COMMON=(--served-model-name tiny-qwen2-vl --dtype float32 --max-model-len 2048 -
 serve() { "$VLLM_PY" -m vllm.entrypoints.cli.main serve "$MODEL" "${COMMON[@]}" "$@"; }
 
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait || true; if [ -n "$MADE" ]; then rm -rf "$DIR"; fi' EXIT INT TERM
 serve --port 8001 --no-enable-prefix-caching --ec-transfer-config "$(ec ec_producer)" &
 pids+=($!)
 serve --port 8100 --ec-transfer-config "$(ec ec_consumer)" --kv-transfer-config "$(kv kv_producer)" &

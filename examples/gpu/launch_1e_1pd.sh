@@ -5,7 +5,8 @@
 set -euo pipefail
 MODEL="${MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}"
 EC_DIR="${EC_DIR:-/dev/shm/epd-ec-cache}"
-mkdir -p "$EC_DIR"
+source "$(dirname "$0")/ec_cache.sh"  # EC_DIR fills with embeddings: swept while running, emptied at exit
+ec_cache_start
 ec_config() { printf '{"ec_connector":"ECExampleConnector","ec_role":"%s","ec_connector_extra_config":{"shared_storage_path":"%s"}}' "$1" "$EC_DIR"; }
 
 # The same MODEL string, served name and hasher on E and PD: the hash vLLM derives from a uuid and the
@@ -22,5 +23,5 @@ CUDA_VISIBLE_DEVICES=1 VLLM_PLUGINS=epd EPD_ENCODERS=http://127.0.0.1:8001 EPD_E
   --ec-transfer-config "$(ec_config ec_consumer)" &
 PD=$!
 
-trap 'kill $ENC $PD 2>/dev/null; wait' EXIT INT TERM
+trap 'kill $ENC $PD 2>/dev/null || true; ec_cache_stop' EXIT INT TERM
 wait -n $ENC $PD

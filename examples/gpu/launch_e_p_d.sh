@@ -7,12 +7,13 @@ set -euo pipefail
 MODEL="${MODEL:-Qwen/Qwen2.5-VL-3B-Instruct}"
 NUM_ENCODERS="${NUM_ENCODERS:-1}"
 EC_DIR="${EC_DIR:-/dev/shm/epd-ec-cache}"
-mkdir -p "$EC_DIR"
+source "$(dirname "$0")/ec_cache.sh"  # EC_DIR fills with embeddings: swept while running, emptied at exit
+ec_cache_start
 ec_config() { printf '{"ec_connector":"ECExampleConnector","ec_role":"%s","ec_connector_extra_config":{"shared_storage_path":"%s"}}' "$1" "$EC_DIR"; }
 KV_CONFIG='{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
 
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
+trap 'kill "${pids[@]}" 2>/dev/null || true; ec_cache_stop' EXIT INT TERM
 
 encoders=()
 for ((i = 0; i < NUM_ENCODERS; i++)); do

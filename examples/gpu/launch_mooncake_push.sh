@@ -16,7 +16,7 @@ ec_config() {
 }
 
 pids=()
-trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
+trap 'kill "${pids[@]}" 2>/dev/null || true; wait' EXIT INT TERM
 encoders=()
 for ((i = 0; i < NUM_ENCODERS; i++)); do
   CUDA_VISIBLE_DEVICES=$((i + 1)) vllm serve "$MODEL" --port $((8001 + i)) \

@@ -8,10 +8,12 @@ N_ENC="${N_ENC:-2}"
 N_PD="${N_PD:-2}"
 EC_DIR="${EC_DIR:-/dev/shm/epd-ec-cache}"
 API_KEY="${VLLM_API_KEY:-}"
-mkdir -p "$EC_DIR"
+source "$(dirname "$0")/ec_cache.sh"  # EC_DIR fills with embeddings: swept while running, emptied at exit
+ec_cache_start
 ec_config() { printf '{"ec_connector":"ECExampleConnector","ec_role":"%s","ec_connector_extra_config":{"shared_storage_path":"%s"}}' "$1" "$EC_DIR"; }
 
 pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; ec_cache_stop' EXIT INT TERM
 encoders=()
 for ((i = 0; i < N_ENC; i++)); do
   port=$((8100 + i))
@@ -32,5 +34,4 @@ for ((j = 0; j < N_PD; j++)); do
   pids+=($!)
 done
 
-trap 'kill "${pids[@]}" 2>/dev/null; wait' EXIT INT TERM
 wait -n "${pids[@]}"
