@@ -209,3 +209,16 @@ def _rule(alert: str) -> dict[str, Any]:
         if rule.get("alert") == alert
     )
     return found
+
+
+def test_prometheus_loads_every_rule(tmp_path: Path) -> None:
+    """``promtool check rules``: every expression parses and every annotation is a template Prometheus
+    can render, the runbook links among them."""
+    spec = yaml.safe_load(RULES.read_text())["spec"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(spec))
+    assert PROMTOOL is not None
+    result = subprocess.run(
+        [PROMTOOL, "check", "rules", "rules.yaml"], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {sum(len(group['rules']) for group in spec['groups'])} rules found" in result.stdout

@@ -542,6 +542,12 @@ FLEET_SECRET: Final = "epd-secrets"
 DEPLOYMENT_DOC: Final = DEPLOY.parent.parent / "docs" / "deployment.md"
 # The roles whose servers the middleware calls (encoders; E/P/D's prefill servers).
 CALLED_ROLES: Final = ("encode", "prefill")
+# The one peer from another namespace (deploy/kubernetes/monitoring/networkpolicy.yaml): Prometheus, as the
+# Prometheus Operator labels its pods, scraping vLLM's /metrics.
+PROMETHEUS_PEER: Final = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
 
 
 def middleware_servers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -745,6 +751,9 @@ def test_only_the_middleware_and_the_picker_reach_the_servers_the_middleware_cal
         for rule in (rule for policy in chosen for rule in policy["spec"].get("ingress", [])):
             assert rule.get("from"), f"{name}: a rule without from admits every source"
             for peer in rule["from"]:
+                if peer == PROMETHEUS_PEER:  # the scrape of /metrics, on vLLM's port only
+                    assert admitted_ports(rule, deployment) == {vllm_port(deployment)}, name
+                    continue
                 # Pods of this namespace only: no ipBlock, no namespaceSelector.
                 assert set(peer) == {"podSelector"}, f"{name}: {peer}"
                 matched = {
@@ -923,6 +932,9 @@ VLLM_SERIES: Final = {
     "vllm:num_requests_waiting": Series("gauge", frozenset({"model_name", "engine"})),
     # EPDMiddlewareNotLoaded: a PD whose vLLM serves (this series) without the middleware's.
     "vllm:num_requests_running": Series("gauge", frozenset({"model_name", "engine"})),
+    # The dashboard's latencies per role: histograms per engine, timed from the engine's arrival_time.
+    "vllm:time_to_first_token_seconds_bucket": Series("histogram", frozenset({"model_name", "engine", "le"})),
+    "vllm:e2e_request_latency_seconds_bucket": Series("histogram", frozenset({"model_name", "engine", "le"})),
 }
 
 
@@ -1195,7 +1207,7 @@ def test_every_alert_is_complete_and_uses_exported_metrics() -> None:
 
 
 def test_the_dashboard_charts_exported_metrics_only() -> None:
-    exported = exported_series()
+    exported = exported_series() | VLLM_SERIES
     [config_map] = of_kind(render(MONITORING), "ConfigMap").values()
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar loads
     [(key, text)] = config_map["data"].items()
@@ -1297,9 +1309,9 @@ def test_the_adapter_serves_every_hpa_its_metric() -> None:
 #     config/crd/bases/inference.networking.k8s.io_inferencepools.yaml (version v1)
 #   HTTPRoute: kubernetes-sigs/gateway-api, config/crd/standard/gateway.networking.k8s.io_httproutes.yaml
 #     (version v1; the Duration of GEP-2257; "Must have port for Service reference")
-#   ServiceMonitor, PrometheusRule: prometheus-operator/prometheus-operator,
-#     example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml and
-#     monitoring.coreos.com_prometheusrules.yaml (version v1)
+#   ServiceMonitor, PodMonitor, PrometheusRule: prometheus-operator/prometheus-operator,
+#     example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml,
+#     monitoring.coreos.com_podmonitors.yaml and monitoring.coreos.com_prometheusrules.yaml (version v1)
 _STRING = {"type": "string"}
 _NAME = {"type": "string", "minLength": 1}
 _LABELS = {"type": "object", "additionalProperties": _STRING}
@@ -1500,6 +1512,32 @@ CUSTOM_SCHEMAS: Final = {
                 },
             },
             "endpoints",
+            "selector",
+        ),
+    ),
+    ("monitoring.coreos.com/v1", "PodMonitor"): _resource(
+        "monitoring.coreos.com/v1",
+        "PodMonitor",
+        _object(
+            {
+                "selector": _MATCH_LABELS,
+                "namespaceSelector": _object(
+                    {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STRING}}
+                ),
+                "jobLabel": _STRING,
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "items": _object(
+                        {
+                            "port": _NAME,
+                            "path": {"type": "string", "pattern": "^/"},
+                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+                            "interval": _CRD_DURATION,
+                            "scrapeTimeout": _CRD_DURATION,
+                        }
+                    ),
+                },
+            },
             "selector",
         ),
     ),

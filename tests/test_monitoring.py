@@ -24,6 +24,8 @@ from epd_middleware._blame import BLAMES
 from epd_middleware._comparison import RESULTS
 from epd_middleware._metrics import ROLES, Stats, _Prometheus, _request_labels
 
+from . import test_deploy as deploy
+
 ROOT: Final = Path(__file__).parent.parent
 PACKAGE: Final = Path(epd_middleware.__file__).parent
 OBSERVABILITY: Final = ROOT / "docs" / "observability.md"
@@ -253,3 +255,178 @@ def test_every_label_value_the_code_emits_is_documented_and_no_other() -> None:
 )
 def test_the_reading_of_a_labels_cell(cell: str, expected: dict[str, set[str]]) -> None:
     assert labels_cell(cell) == expected
+
+
+# --- Who is scraped: every vLLM server of every overlay, under the job the alerts and the dashboard name ---
+
+# Prometheus as the Prometheus Operator runs it (every pod of a Prometheus is labelled
+# app.kubernetes.io/name=prometheus: pkg/prometheus/server/statefulset.go's podSelectorLabels), in the
+# namespace deploy/kubernetes/monitoring/networkpolicy.yaml admits it from.
+PROMETHEUS_POD: Final = {"app.kubernetes.io/name": "prometheus"}
+PROMETHEUS_NAMESPACE: Final = {"kubernetes.io/metadata.name": "monitoring"}
+# The job each role's series carry: epd-pd is what EPDMiddlewareNotLoaded selects.
+JOBS: Final = {"epd-pd": "epd-pd", "epd-encoder": "epd-encoder", "epd-prefill": "epd-prefill"}
+
+
+@pytest.fixture(scope="module", params=deploy.OVERLAYS)
+def rendered(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    return deploy.render_with_monitoring(request.param, tmp_path_factory.mktemp("kustomize"))
+
+
+def scrapes(objects: list[dict[str, Any]], server: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """(monitor, container port, job) of every scrape of ``server``'s pods: a ServiceMonitor's through the
+    Services it selects (job: the Service's name, or its jobLabel's value), a PodMonitor's on the pods it
+    selects (job: the pods' jobLabel value, or namespace/name), as prometheus-operator configures them."""
+    labels = deploy.pod_labels(server)
+    named = {p["name"]: p["containerPort"] for p in deploy.container(server)["ports"]}
+    found = []
+    for name, monitor in deploy.of_kind(objects, "ServiceMonitor").items():
+        for service in deploy.of_kind(objects, "Service").values():
+            service_labels = service["metadata"].get("labels", {})
+            if not deploy.label_selector_matches(monitor["spec"]["selector"], service_labels):
+                continue
+            if not deploy.selects(service["spec"]["selector"], labels):
+                continue
+            job_label = monitor["spec"].get("jobLabel")
+            job = service_labels[job_label] if job_label else service["metadata"]["name"]
+            for endpoint in monitor["spec"]["endpoints"]:
+                assert endpoint.get("path", "/metrics") == "/metrics", name
+                [port] = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+                found.append((f"ServiceMonitor/{name}", named[port["targetPort"]], job))
+    for name, monitor in deploy.of_kind(objects, "PodMonitor").items():
+        if not deploy.label_selector_matches(monitor["spec"]["selector"], labels):
+            continue
+        job_label = monitor["spec"].get("jobLabel")
+        job = labels[job_label] if job_label else f"<namespace>/{name}"
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint.get("path", "/metrics") == "/metrics", name
+            found.append((f"PodMonitor/{name}", named[endpoint["port"]], job))
+    return found
+
+
+def admits_prometheus(objects: list[dict[str, Any]], server: dict[str, Any], port: int) -> bool:
+    """Whether Prometheus reaches ``port`` of the server's pods: no ingress policy isolates them, or one
+    of those that do admits Prometheus' pods from their namespace on it."""
+    labels = deploy.pod_labels(server)
+    policies = [
+        policy
+        for policy in deploy.of_kind(objects, "NetworkPolicy").values()
+        if "Ingress" in policy["spec"].get("policyTypes", [])
+        and deploy.label_selector_matches(policy["spec"]["podSelector"], labels)
+    ]
+    if not policies:
+        return True
+    for rule in (rule for policy in policies for rule in policy["spec"].get("ingress", [])):
+        ports = deploy.admitted_ports(rule, server)
+        for peer in rule.get("from", []):
+            in_namespace = "namespaceSelector" in peer and deploy.label_selector_matches(
+                peer["namespaceSelector"], PROMETHEUS_NAMESPACE
+            )
+            by_label = deploy.label_selector_matches(peer.get("podSelector", {}), PROMETHEUS_POD)
+            if in_namespace and by_label and (ports is None or port in ports):
+                return True
+    return False
+
+
+def test_prometheus_scrapes_every_vllm_server_of_the_fleet(rendered: list[dict[str, Any]]) -> None:
+    """Issue 37: only the PD servers were scraped, so the encoders' and prefill servers' queues and
+    latencies were nowhere to be seen. Every vLLM server is now scraped, once, on the port vLLM serves
+    /metrics on (its --port), under its role's job, and Prometheus is admitted past the NetworkPolicies
+    that isolate the encoder and prefill pods, on that port."""
+    servers = list(deploy.vllm_servers(rendered))
+    assert {server["metadata"]["name"] for server in servers} >= {"epd-pd", "epd-encoder"}
+    for server in servers:
+        name = server["metadata"]["name"]
+        [(monitor, port, job)] = scrapes(rendered, server)
+        assert port == deploy.vllm_port(server), (name, monitor)
+        assert job == JOBS[name], (name, monitor, job)
+        assert admits_prometheus(rendered, server, port), f"{name}: Prometheus cannot reach port {port}"
+    # The check itself: a policy admitting only the PD pods keeps Prometheus out.
+    [encoder] = [s for s in servers if s["metadata"]["name"] == "epd-encoder"]
+    alone = [o for o in rendered if o["metadata"]["name"] != "epd-prometheus-scrape"]
+    assert not admits_prometheus(alone, encoder, deploy.vllm_port(encoder))
+
+
+# --- Runbooks: every alert's runbook_url is a section of the docs that says what to do ---
+
+RUNBOOK_URL: Final = re.compile(
+    r"https://github\.com/epd-middleware/epd-middleware/blob/main/(docs/[\w-]+\.md)#([\w-]+)"
+)
+
+
+def github_anchors(markdown: str) -> dict[str, tuple[int, str]]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation but - and _ dropped,
+    spaces as -, a repeated one suffixed -1, -2 ...), each with its heading's level and text."""
+    anchors: dict[str, tuple[int, str]] = {}
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        heading = None if in_code else re.match(r"(#{1,6}) +(.*?) *#*$", line)
+        if heading is None:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", heading[2].lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors[slug if count == 0 else f"{slug}-{count}"] = (len(heading[1]), heading[2])
+    return anchors
+
+
+def section(markdown: str, heading: str) -> str:
+    """The text under ``heading`` up to the next heading of its level or above."""
+    lines = markdown.splitlines()
+    [start] = [
+        i for i, line in enumerate(lines) if re.match(r"#+ ", line) and line.split(" ", 1)[1] == heading
+    ]
+    level = len(lines[start].split(" ", 1)[0])
+    end = next(
+        (i for i in range(start + 1, len(lines)) if re.match(rf"#{{1,{level}}} ", lines[i])), len(lines)
+    )
+    return "\n".join(lines[start + 1 : end])
+
+
+def alerts() -> list[dict[str, Any]]:
+    [rule] = deploy.of_kind(deploy.render(deploy.MONITORING), "PrometheusRule").values()
+    return [entry for group in rule["spec"]["groups"] for entry in group["rules"] if "alert" in entry]
+
+
+def test_every_alert_links_its_runbook_and_the_runbook_says_what_to_do() -> None:
+    """Issue 37: no alert had a runbook_url, so the page that woke someone did not say where to look.
+    Each now names a section of the docs (which must exist: a renamed heading breaks the link) that says
+    what the alert means, how to confirm it and what to do; each alert its own, and every runbook an
+    alert's."""
+    linked = set()
+    for alert in alerts():
+        name = alert["alert"]
+        match = RUNBOOK_URL.fullmatch(alert["annotations"].get("runbook_url", ""))
+        assert match is not None, (
+            f"{name}: no runbook_url in the docs ({alert['annotations'].get('runbook_url')})"
+        )
+        path, anchor = ROOT / match[1], match[2]
+        assert path.is_file(), f"{name}: {match[1]} does not exist"
+        text = path.read_text()
+        anchors = github_anchors(text)
+        assert anchor in anchors, f"{name}: {match[1]} has no heading #{anchor}"
+        _, heading = anchors[anchor]
+        assert heading == name, f"{name}'s runbook is the section of another: {heading}"
+        body = section(text, heading)
+        for part in ("**What it means.**", "**How to confirm.**", "**What to do.**"):
+            assert part in body, f"{name}: its runbook lacks {part}"
+        linked.add((match[1], heading))
+    runbooks = section(OBSERVABILITY.read_text(), "Runbooks")
+    written = {("docs/observability.md", h) for h in re.findall(r"^### (.+)$", runbooks, re.MULTILINE)}
+    assert written == linked, written ^ linked
+
+
+def test_the_anchors_are_githubs() -> None:
+    text = "# Title\n## The `check` command\n## Scheduler headers and the allowlist\n"
+    text += "## Title\n```\n# no\n```\n"
+    assert list(github_anchors(text)) == [
+        "title",
+        "the-check-command",
+        "scheduler-headers-and-the-allowlist",
+        "title-1",
+    ]
