@@ -179,8 +179,13 @@ def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeDeplo
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The Mooncake module first: its servers stop before the main deployment's start."""
-    items.sort(key=lambda item: 0 if item.module is not None and "mooncake" in item.module.__name__ else 1)
+    """The Mooncake and drain modules first: their servers stop before the main deployment's start."""
+
+    def order(item: pytest.Item) -> int:
+        name = item.module.__name__ if item.module is not None else ""
+        return 0 if "mooncake" in name else 1 if "drain" in name else 2
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="session")
