@@ -1,14 +1,20 @@
-"""What operators read about the metrics, held to what the code emits (issue 37): docs/observability.md's
-metric table names every metric the package exports with the labels it has, and every value of the
-labels whose values the code fixes (request and call outcomes, blames, stages, results, sources, roles,
-placements) is documented, and nothing else: read from the code itself (the package's literal calls into
-``Stats``, the error classes' outcomes, ``BLAMES``, ``RESULTS``), so a value added to the code and not to
-the docs, or one the docs keep after the code dropped it, fails here."""
+"""What operators read and watch, held to what the code and the manifests do (issue 37).
+
+The metric table of docs/observability.md names every metric the package exports with the labels it has,
+and every value of the labels whose values the code fixes (request and call outcomes, blames, stages,
+results, sources, roles, placements), and nothing else: read from the code itself (the package's literal
+calls into ``Stats``, the error classes' outcomes, ``BLAMES``, ``RESULTS``), so a value added to the code
+and not to the docs, or one the docs keep after the code dropped it, fails here. Prometheus scrapes every
+vLLM server of every overlay (deploy/kubernetes/monitoring beside it) under its role's job, and reaches it
+past the NetworkPolicies; every alert links a runbook section that exists and says what to do; the
+dashboard lists a fleet before its first request and charts the latencies a client feels."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
+import json
 import re
 import types
 from collections.abc import Callable, Iterator
@@ -19,12 +25,14 @@ import prometheus_client
 import pytest
 
 import epd_middleware
-from epd_middleware import errors
+from epd_middleware import EPDMiddleware, errors
 from epd_middleware._blame import BLAMES
 from epd_middleware._comparison import RESULTS
 from epd_middleware._metrics import ROLES, Stats, _Prometheus, _request_labels
+from epd_middleware._version import __version__
 
 from . import test_deploy as deploy
+from .fakes import FakeEngine
 
 ROOT: Final = Path(__file__).parent.parent
 PACKAGE: Final = Path(epd_middleware.__file__).parent
@@ -430,3 +438,56 @@ def test_the_anchors_are_githubs() -> None:
         "scheduler-headers-and-the-allowlist",
         "title-1",
     ]
+
+
+# --- The dashboard: a fresh one shows the fleet, and the latencies a client feels ---
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(deploy.DASHBOARD.read_text())
+    return loaded
+
+
+def test_the_namespace_picker_lists_a_fleet_before_its_first_request() -> None:
+    """Issue 37: the picker read label_values(epd_requests_total, namespace), and a labelled counter has
+    no series until its first request: a fresh dashboard offered no namespace and every panel stayed
+    empty. It now reads a series the middleware sets when it is built."""
+    [variable] = [v for v in dashboard()["templating"]["list"] if v["name"] == "namespace"]
+    query = re.fullmatch(r"label_values\((\w+), *namespace\)", variable["query"]["query"])
+    assert query is not None
+    assert variable["definition"] == variable["query"]["query"]
+    # What a PD's /metrics holds once the middleware is built and before any request: the metrics
+    # declared on a registry of their own, and what building the middleware sets (Stats.loaded).
+    registry = prometheus_client.CollectorRegistry()
+    prom = _Prometheus(
+        types.SimpleNamespace(
+            **{
+                kind: functools.partial(getattr(prometheus_client, kind), registry=registry)
+                for kind in ("Counter", "Gauge", "Histogram")
+            }
+        )
+    )
+    stats = Stats()
+    stats._prom = prom
+    stats.loaded(__version__)
+    present = {sample.name for family in registry.collect() for sample in family.samples}
+    assert query[1] in present
+    assert "epd_requests_total" not in present  # why the old picker was empty
+    # And building the middleware is what sets it.
+    EPDMiddleware(FakeEngine().app(), encoders=["http://enc-0:8001"])
+    assert prometheus_client.REGISTRY.get_sample_value(query[1], {"version": __version__}) == 1
+
+
+def test_the_dashboard_charts_time_to_first_token_and_end_to_end_latency_per_role() -> None:
+    """Issue 37: no panel showed a latency a client feels. vLLM's own histograms, on every role (the
+    encoders and prefill servers are scraped too), grouped by job."""
+    exported = deploy.exported_series() | deploy.VLLM_SERIES
+    charted: dict[str, set[str]] = {}
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            query = deploy.check_promql(target["expr"], exported)
+            for metric in query.metrics:
+                charted.setdefault(metric, set()).update(query.grouping)
+    for metric in ("vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):
+        assert metric in charted, metric
+        assert {"le", "job"} <= charted[metric], (metric, charted[metric])
