@@ -239,7 +239,8 @@ def _metrics() -> _Prometheus | None:
             # installed without the extra; vLLM always has it) learns why there are none.
             logger.warning(
                 "epd: prometheus_client is not installed, so the epd_* metrics are off; "
-                "install it with the metrics extra: pip install 'epd-middleware[metrics]'"
+                "install it (pip install prometheus_client), or the package with its metrics extra: "
+                "pip install 'epd-middleware[metrics] @ git+https://github.com/epd-middleware/epd-middleware'"
             )
             return None
         _prometheus = _Prometheus(prometheus_client)

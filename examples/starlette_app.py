@@ -1,6 +1,6 @@
 """epd-middleware on a plain Starlette app (the same call works on FastAPI).
 
-    pip install 'epd-middleware[metrics]' uvicorn
+    pip install 'epd-middleware[metrics] @ git+https://github.com/epd-middleware/epd-middleware' uvicorn
     EPD_DEMO_ENCODER=http://127.0.0.1:8001 uvicorn examples.starlette_app:app --port 8000
 
 The stand-in engine echoes what reached it, so you can see the rewritten request: media parts replaced by
