@@ -1017,10 +1017,10 @@ VLLM_SERIES: Final = {
 }
 
 
-def exported_series() -> dict[str, Series]:
-    """Every series name the package exports, with its family's type and labels, as prometheus_client
-    writes them: each metric ``_Prometheus`` declares, made on a registry of its own and given one sample
-    (so counters come with ``_total``, histograms with ``_bucket`` and ``le``, ``_sum`` and ``_count``)."""
+def sampled_registry() -> prometheus_client.CollectorRegistry:
+    """A registry of its own holding each metric ``_Prometheus`` declares, given one sample, so that
+    every series and label shows (counters with ``_total``, histograms with ``_bucket`` and ``le``,
+    ``_sum`` and ``_count``)."""
     registry = prometheus_client.CollectorRegistry()
     made: list[tuple[Any, tuple[str, ...]]] = []
 
@@ -1047,9 +1047,15 @@ def exported_series() -> dict[str, Series]:
             child.set(1)
         else:
             child.inc()
+    return registry
+
+
+def exported_series() -> dict[str, Series]:
+    """Every series name the package exports, with its family's type and labels, as prometheus_client
+    writes them (``sampled_registry``)."""
     return {
         sample.name: Series(family.type, frozenset(sample.labels))
-        for family in registry.collect()
+        for family in sampled_registry().collect()
         for sample in family.samples
     }
 
@@ -1459,6 +1465,16 @@ _PROTOCOL = (
     r"^[a-zA-Z0-9]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"
     r"|[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\/[A-Za-z0-9]+$"
 )
+# The fields of a scrape endpoint these manifests use, alike in a ServiceMonitor's endpoints and a
+# PodMonitor's podMetricsEndpoints (prometheus-operator's Endpoint and PodMetricsEndpoint).
+_SCRAPE_ENDPOINT: Final = {
+    "port": _NAME,
+    "path": {"type": "string", "pattern": "^/"},
+    "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
+    "interval": _CRD_DURATION,
+    "scrapeTimeout": _CRD_DURATION,
+}
+
 CUSTOM_SCHEMAS: Final = {
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): _resource(
         "gateway.networking.k8s.io/v1",
@@ -1595,13 +1611,7 @@ CUSTOM_SCHEMAS: Final = {
                     "type": "array",
                     "minItems": 1,
                     "items": _object(
-                        {
-                            "port": _NAME,
-                            "path": {"type": "string", "pattern": "^/"},
-                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
-                            "interval": _CRD_DURATION,
-                            "scrapeTimeout": _CRD_DURATION,
-                        },
+                        _SCRAPE_ENDPOINT,
                         "port",
                     ),
                 },
@@ -1622,15 +1632,7 @@ CUSTOM_SCHEMAS: Final = {
                 "jobLabel": _STRING,
                 "podMetricsEndpoints": {
                     "type": "array",
-                    "items": _object(
-                        {
-                            "port": _NAME,
-                            "path": {"type": "string", "pattern": "^/"},
-                            "scheme": {"enum": ["http", "https", "HTTP", "HTTPS"]},
-                            "interval": _CRD_DURATION,
-                            "scrapeTimeout": _CRD_DURATION,
-                        }
-                    ),
+                    "items": _object(_SCRAPE_ENDPOINT),
                 },
             },
             "selector",

@@ -17,7 +17,7 @@ import inspect
 import json
 import re
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,33 +44,12 @@ OBSERVABILITY: Final = ROOT / "docs" / "observability.md"
 
 def families() -> dict[str, frozenset[str]]:
     """Every metric family ``_Prometheus`` declares, by the name the docs give it (a counter's with
-    ``_total``, a histogram's bare), with its labels (``le`` left out): made on a registry of their own,
-    each given one sample so that its labels show."""
-    registry = prometheus_client.CollectorRegistry()
-
-    def maker(cls: Any) -> Callable[..., Any]:
-        def make(name: str, documentation: str, labelnames: tuple[str, ...] = (), **kwargs: Any) -> Any:
-            metric = cls(name, documentation, labelnames, registry=registry, **kwargs)
-            child = metric.labels(*labelnames) if labelnames else metric
-            {"Histogram": lambda: child.observe(1), "Gauge": lambda: child.set(1)}.get(
-                cls.__name__, lambda: child.inc()
-            )()
-            return metric
-
-        return make
-
-    _Prometheus(
-        types.SimpleNamespace(
-            Counter=maker(prometheus_client.Counter),
-            Gauge=maker(prometheus_client.Gauge),
-            Histogram=maker(prometheus_client.Histogram),
-        )
-    )
+    ``_total``, a histogram's bare), with its labels (``le`` left out), from one sample each."""
     return {
         f"{family.name}_total" if family.type == "counter" else family.name: frozenset(
             label for sample in family.samples for label in sample.labels if label != "le"
         )
-        for family in registry.collect()
+        for family in deploy.sampled_registry().collect()
     }
 
 
