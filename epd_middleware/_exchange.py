@@ -38,6 +38,7 @@ class Exchange:
 
     __slots__ = (
         "app",
+        "buffer",
         "given_id",
         "host",
         "pipeline",
@@ -75,12 +76,18 @@ class Exchange:
         self.route: Route = NO_ROUTE
         self.request_id = ""  # set first thing in run()
         self.given_id = False
+        self.buffer: bytearray | None = None  # the body's, from the pipeline's pool
 
     async def run(self) -> None:
         self.given_id = first_header(self.scope["headers"], REQUEST_ID_HEADER) is not None
         self.request_id = request_id_of(self.scope["headers"])
-        with request_scope(self.request_id):
-            await self._run()
+        try:
+            with request_scope(self.request_id):
+                await self._run()
+        finally:
+            if self.buffer is not None:
+                self.pipeline.bodies.give_back(self.buffer)
+                self.buffer = None
 
     async def _run(self) -> None:
         pipeline = self.pipeline
@@ -100,7 +107,8 @@ class Exchange:
             return
         if request is None:
             pipeline.stats.request("passed_through")
-            await self.app(self.scope, replay(body, self.receive), self.send)
+            # ASGI bodies are bytes, and the engine app may keep what it is given: never the buffer.
+            await self.app(self.scope, replay(bytes(body), self.receive), self.send)
             return
         failure: Exception | None = None
         async with anyio.create_task_group() as group:
@@ -224,13 +232,29 @@ class Exchange:
             body_of=self.surface.error_body,
         )
 
-    async def _read_body(self) -> bytes:
+    async def _read_body(self) -> bytes | bytearray:
+        """The whole body: the one message it came in, else its pieces gathered, a large body into a
+        buffer of the pool (``_body_buffers``), handed back when the exchange ends."""
         limit = self.pipeline.config.max_body_bytes
         declared = _length(first_header(self.scope["headers"], b"content-length"))
         if declared is not None and declared > limit:
             raise BodyTooLarge(limit)
-        chunks: list[bytes] = []
-        size = 0
+        message = await self.receive()
+        if message["type"] == "http.disconnect":
+            raise _Disconnected
+        first: bytes = message.get("body", b"")
+        if len(first) > limit:
+            raise BodyTooLarge(limit)
+        if not message.get("more_body", False):
+            return first
+        filling = self.pipeline.bodies.filling(declared) if declared is not None else None
+        if filling is None:
+            chunks = [first]
+            add = chunks.append
+        else:
+            filling.add(first)
+            add = filling.add
+        size = len(first)
         while True:
             message = await self.receive()
             if message["type"] == "http.disconnect":
@@ -240,9 +264,13 @@ class Exchange:
                 size += len(chunk)
                 if size > limit:
                     raise BodyTooLarge(limit)
-                chunks.append(chunk)
+                add(chunk)
             if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                break
+        if filling is None:
+            return b"".join(chunks)
+        self.buffer = filling.body()
+        return self.buffer
 
 
 class _CallerWatch:

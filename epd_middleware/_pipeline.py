@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import anyio.abc
 
 from ._blame import Ledger
+from ._body_buffers import BodyBuffers
 from ._checks import (
     check_by_uuid_alone,
     check_cache_salt,
@@ -44,7 +45,7 @@ from ._plan import UuidKey
 from ._pool import PoolPolicy, ServerPool
 from ._prefill import PrefillStage
 from ._protocol import EC_TRANSFER_PARAMS, KV_TRANSFER_PARAMS, MODEL, VLLM_XARGS
-from ._rawjson import text_of
+from ._rawjson import Bytes, text_of
 from ._reuse import HandleCache, reuse_blocker
 from ._sampling import Sampler
 from ._scheduler import NO_ROUTE, Route, Scheduler
@@ -87,6 +88,8 @@ class Pipeline:
     # Real requests taken for the equivalence probe (verify_share, _sampling.py).
     sampler: Sampler = field(init=False)
     pending: int = field(init=False, default=0)
+    # Buffers that large request bodies are read into, kept between requests (_body_buffers.py).
+    bodies: BodyBuffers = field(init=False, default_factory=BodyBuffers)
     _encode: EncodeStage = field(init=False)
     _prefill: PrefillStage = field(init=False)
 
@@ -143,7 +146,7 @@ class Pipeline:
             return Route(route.encoders, None)
         return route
 
-    def parse(self, surface: Surface, body: bytes, route: Route = NO_ROUTE) -> ParsedRequest | None:
+    def parse(self, surface: Surface, body: Bytes, route: Route = NO_ROUTE) -> ParsedRequest | None:
         """The request's media parts (and the client's own references), or None when the body passes to
         the engine unchanged; an :class:`~epd_middleware.errors.EPDError` for a body that must not.
 
@@ -377,7 +380,7 @@ def pool_policy(config: EPDConfig, timeout: float) -> PoolPolicy:
     )
 
 
-def _scannable(body: bytes) -> bool:
+def _scannable(body: Bytes) -> bool:
     """Whether a byte scan for ASCII tokens sees the body's text: UTF-8. vLLM's json.loads also takes
     UTF-16 and UTF-32 (told by a BOM or the zero bytes of the first characters), where every letter comes
     with zero bytes between: such a body is always parsed."""

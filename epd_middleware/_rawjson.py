@@ -23,9 +23,11 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["LONG_STRING", "Raw", "decode", "encode_pieces", "raw_text", "text_of"]
+__all__ = ["LONG_STRING", "Bytes", "Raw", "decode", "encode_pieces", "raw_text", "text_of"]
 
 Raw = msgspec.Raw
+# A body as read: bytes, or a buffer the exchange reads large bodies into (_body_buffers.py).
+Bytes = bytes | bytearray
 
 # Strings shorter than this are decoded as usual: the placeholder round trip would cost more than it saves.
 LONG_STRING = 2048
@@ -47,7 +49,7 @@ _COLON = 0x3A
 _WHITESPACE = b" \t\r\n"
 
 
-def decode(body: bytes) -> Any:
+def decode(body: Bytes) -> Any:
     """``msgspec.json.decode(body)``, with long unescaped strings as :class:`msgspec.Raw`.
 
     Raises :class:`msgspec.DecodeError` (or ``RecursionError``) like a plain decode.
@@ -56,7 +58,7 @@ def decode(body: bytes) -> Any:
     if not spans:
         return _decode(body)
     view = memoryview(body)
-    pieces: list[bytes] = []
+    pieces: list[Bytes] = []
     raws: dict[str, msgspec.Raw] = {}
     previous = 0
     for index, (start, end) in enumerate(spans):
@@ -72,7 +74,7 @@ def decode(body: bytes) -> Any:
     return _restore(_decode(b"".join(pieces)), raws, keys)
 
 
-def _is_key(body: bytes, end: int) -> bool:
+def _is_key(body: Bytes, end: int) -> bool:
     """Whether the string closed at ``end`` is an object key: a colon follows, after any whitespace."""
     index, size = end + 1, len(body)
     while index < size and body[index] in _WHITESPACE:
@@ -80,7 +82,7 @@ def _is_key(body: bytes, end: int) -> bool:
     return index < size and body[index] == _COLON
 
 
-def _long_strings(body: bytes) -> list[tuple[int, int]]:
+def _long_strings(body: Bytes) -> list[tuple[int, int]]:
     """(opening quote, closing quote) of every long string without escapes, in order.
 
     Outside strings JSON has no quote, and inside them only escaped ones: so in a valid body the

@@ -18,7 +18,7 @@ import msgspec
 from epd_middleware import _protocol as p
 from epd_middleware import _rawjson
 from epd_middleware._http import Body
-from epd_middleware._rawjson import Raw, text_of
+from epd_middleware._rawjson import Bytes, Raw, text_of
 from epd_middleware.errors import EPDError, UnreadableRequest
 
 __all__ = [
@@ -155,9 +155,9 @@ class Surface:
     # True when encoded parts may become metadata-only references (the surface has such parts).
     rewrites: bool
     # False only when the body surely holds no media: decides the no-parse pass-through.
-    may_hold_media: Callable[[bytes], bool]
+    may_hold_media: Callable[[Bytes], bool]
     # The media parts of a body, or None when the body should pass through as it is.
-    parse: Callable[[bytes], ParsedRequest | None]
+    parse: Callable[[Bytes], ParsedRequest | None]
     # The body for the local engine (and a prefill server), as fields: ``(request, uuid per part,
     # metadata per part, ec_transfer_params)``.
     engine_fields: EngineFields
@@ -214,7 +214,7 @@ def encode_fields(fields: Any, *, compat: bool = False) -> bytes:
         raise Unusable from exc
 
 
-def decode_object(body: bytes) -> tuple[dict[str, Any], bool] | None:
+def decode_object(body: Bytes) -> tuple[dict[str, Any], bool] | None:
     """The body as a JSON object, and whether Python's json had to read it (``compat``); None when vLLM
     cannot read it as one either (it answers its own 400).
 
@@ -235,7 +235,7 @@ def decode_object(body: bytes) -> tuple[dict[str, Any], bool] | None:
     return (fields, compat) if isinstance(fields, dict) else None
 
 
-def parse_with(body: bytes, find: Callable[[dict[str, Any]], ParsedRequest | None]) -> ParsedRequest | None:
+def parse_with(body: Bytes, find: Callable[[dict[str, Any]], ParsedRequest | None]) -> ParsedRequest | None:
     """``find`` the media of a JSON object body; None when the body is not one (vLLM answers it), or
     ``find`` says it is not this surface's request at all.
 

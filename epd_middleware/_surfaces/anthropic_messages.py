@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from epd_middleware import _protocol as p
-from epd_middleware._rawjson import raw_text, text_of
+from epd_middleware._rawjson import Bytes, raw_text, text_of
 from epd_middleware.errors import EPDError, error_json
 
 from . import MediaPart, ParsedRequest, Raw, Surface, Unusable, checked_messages, parse_with, with_handles
@@ -35,7 +35,7 @@ _TOOL_RESULT = "tool_result"
 _SOURCE = "source"
 
 
-def may_hold_media(body: bytes) -> bool:
+def may_hold_media(body: Bytes) -> bool:
     """False only when the body surely holds no ``"image"`` string (the type of an image block) and no
     ``vllm_xargs``; a body with a ``\\u`` escape is parsed (it could spell either)."""
     return b'"image"' in body or b"_xargs" in body or b"\\u" in body
@@ -58,7 +58,7 @@ def image_url(source: Mapping[str, Any]) -> str | Raw:
     return f"data:{media_type};base64,{data}"
 
 
-def parse(body: bytes) -> ParsedRequest | None:
+def parse(body: Bytes) -> ParsedRequest | None:
     """The image blocks of a Messages body, or None when the body should pass through as it is."""
     return parse_with(body, _find_images)
 

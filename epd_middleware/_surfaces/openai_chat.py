@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epd_middleware import _protocol as p
-from epd_middleware._rawjson import text_of
+from epd_middleware._rawjson import Bytes, text_of
 
 from . import (
     MediaPart,
@@ -46,7 +46,7 @@ __all__ = [
 _TOKENS = (b"_url", b"_audio", b"_pil", b"_embeds", b"_xargs")
 
 
-def may_hold_media(body: bytes) -> bool:
+def may_hold_media(body: Bytes) -> bool:
     """False only when the body surely holds no media part, reference or ``vllm_xargs``; decides the
     no-parse pass-through.
 
@@ -65,7 +65,7 @@ def may_hold_media(body: bytes) -> bool:
     return any(token in body for token in _TOKENS) or b"\\u" in body
 
 
-def parse(body: bytes) -> ParsedRequest | None:
+def parse(body: Bytes) -> ParsedRequest | None:
     """The media parts of a chat-completions body, or None when the body should pass through as it is."""
     return parse_with(body, _find_media)
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epd_middleware import _protocol as p
+from epd_middleware._rawjson import Bytes
 
 from . import (
     MediaPart,
@@ -31,7 +32,7 @@ from .openai_chat import engine_part, find_in_messages, may_hold_media, prefill_
 __all__ = ["SURFACE", "parse"]
 
 
-def parse(body: bytes) -> ParsedRequest | None:
+def parse(body: Bytes) -> ParsedRequest | None:
     """The media parts of every conversation of a batch body (locations ``(conversation, message,
     part)``), or None when the body should pass through as it is."""
     return parse_with(body, _find_media)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from epd_middleware import _protocol as p
+from epd_middleware._rawjson import Bytes
 
 from . import (
     MediaPart,
@@ -48,7 +49,7 @@ _TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
 _HISTORY_FIELDS = ("previous_response_id", "conversation")
 
 
-def parse(body: bytes) -> ParsedRequest | None:
+def parse(body: Bytes) -> ParsedRequest | None:
     """The image parts of a Responses body, or None when the body should pass through as it is."""
     return parse_with(body, _find_media)
 
