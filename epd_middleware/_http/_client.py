@@ -64,6 +64,7 @@ class HTTPClient:
         self._ssl_context = ssl_context
         self._origins: dict[str, _Origin] = {}
         self._closed = False
+        self._swept = time.monotonic()
 
     @property
     def is_closed(self) -> bool:
@@ -75,6 +76,8 @@ class HTTPClient:
         """Send one request and return (status, body) of its final answer. Raises :class:`HTTPError`
         subclasses, or :class:`UnsendableRequest` before anything is sent; the caller's cancel scope
         bounds the whole exchange."""
+        if time.monotonic() - self._swept >= _IDLE_SECONDS:
+            await self._sweep()
         parts = urlsplit(url)
         base = f"{parts.scheme}://{parts.netloc}"
         origin = self._origins.get(base)
@@ -111,7 +114,8 @@ class HTTPClient:
             raise
         if keep and not self._closed:
             connection.idle_since = time.monotonic()
-            origin.idle.append(connection)
+            # The sweep may have forgotten the origin while this call ran (it had no idle connection).
+            self._origins.setdefault(base, origin).idle.append(connection)
         else:
             await connection.aclose()
         return status, payload
@@ -124,6 +128,25 @@ class HTTPClient:
         if origin is not None:
             idle, origin.idle = origin.idle, []
             for connection in idle:
+                await connection.aclose()
+
+    async def _sweep(self) -> None:
+        """Close every idle connection past its idle time and forget the origins left without one. Only
+        a call to its origin takes a connection from the pool, so a server called no more (one DNS no
+        longer names: a replaced pod's address) would otherwise keep its sockets open and its entry here
+        for the client's life. Runs at most once an idle time, from a request."""
+        now = self._swept = time.monotonic()
+        stale: list[Connection] = []
+        for base, origin in list(self._origins.items()):
+            fresh: list[Connection] = []
+            for connection in origin.idle:
+                (fresh if now - connection.idle_since < _IDLE_SECONDS else stale).append(connection)
+            origin.idle = fresh
+            if not fresh:
+                del self._origins[base]
+        # Closed whatever happens to the request that swept: they are out of every pool already.
+        with anyio.CancelScope(shield=True):
+            for connection in stale:
                 await connection.aclose()
 
     async def _idle(self, origin: _Origin) -> tuple[Connection | None, bool]:
