@@ -40,6 +40,9 @@ OTHER_SERVERS = "other"
 # Health records kept for servers that are not members (named by a scheduler) before idle ones are
 # forgotten: bounds the memory a stream of distinct targets can take.
 _MAX_STRANGERS = 1024
+# Members that left the pool remembered (their URLs, the oldest forgotten first): the record of one is
+# dropped once idle, at a membership update, however its last calls' ends made it again.
+_MAX_DEPARTED = 4096
 # How much each earlier answer weighs against the next in a server's share of "client fault" answers
 # (about the last 10 answers count), the share at which it is doubted, and by how much it must exceed
 # the other members' mean share to stand out from them.
@@ -173,6 +176,7 @@ class ServerPool:
     # Servers out of the pool for answers that differ from PD's own (bar): kept by URL, so that one
     # leaving the DNS answer and coming back (its health record forgotten) is still out.
     _barred: dict[str, str] = field(init=False, default_factory=dict)
+    _departed: dict[str, None] = field(init=False, default_factory=dict)
     _next: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -182,6 +186,10 @@ class ServerPool:
         """Make ``urls`` the members: new ones take traffic at once, vanished ones get no new calls
         (calls in flight finish), survivors keep their health."""
         members = tuple(dict.fromkeys(urls))
+        # Departed members whose calls have ended since (DNS answers come every refresh interval): a
+        # record kept for each would list every address a rollout replaced, up to the strangers' bound.
+        for url in [url for url in self._health if url in self._departed]:
+            self._forget_if_idle(url)
         if members == self.members:
             return
         old = self._member_set
@@ -189,9 +197,13 @@ class ServerPool:
         self.member_addresses = frozenset(url_host_port(url) for url in members)
         for url in members:
             if url not in old:
+                self._departed.pop(url, None)
                 self.export_health(url)
         for url in old - self._member_set:
             self.stats.forget(self.role, url)
+            self._departed[url] = None
+            if len(self._departed) > _MAX_DEPARTED:
+                del self._departed[next(iter(self._departed))]
             self._forget_if_idle(url)
         self.stats.pool_size(self.role, len(members))
         if old:
