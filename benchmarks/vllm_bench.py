@@ -800,15 +800,10 @@ class Runner:
         if spy_rate:
             record["profile"] = {}
             for label, spy in spies.items():
-                threads0, threads1 = marks["threads0"][label], marks["threads1"][label]
-                cpu_threads = {
-                    thread: round((threads1[thread] - threads0.get(thread, 0.0)) * 1000 / completed, 2)
-                    for thread in threads1
-                }
+                cpu_threads = thread_cpu_delta(marks["threads0"][label], marks["threads1"][label], completed)
                 summary: dict[str, Any] = {
-                    "cpu_ms_per_request_by_thread": dict(
-                        sorted(cpu_threads.items(), key=lambda kv: -kv[1])[:12]
-                    )
+                    "cpu_ms_per_request_by_thread": dict(list(cpu_threads.items())[:12]),
+                    "others_niced_to": self.args.profile_nice,
                 }
                 if spy.out.exists():
                     summary.update(summarise_profile(spy.out, spy_rate, completed))
@@ -959,7 +954,7 @@ def markdown(summary: dict[str, Any], fronts: list[str], noise_: dict[str, Any])
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], fronts: list[str], path: Path) -> None:
+def plot(summary: dict[str, Any], fronts: list[str], path: Path, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -987,7 +982,9 @@ def plot(summary: dict[str, Any], fronts: list[str], path: Path) -> None:
         axis.set_xticklabels(points, rotation=20, fontsize=8)
         axis.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
-    figure.suptitle("vllm bench serve, random-mm: median over rounds (bars), each round (dots)", fontsize=10)
+    figure.suptitle(
+        f"vllm bench serve, random-mm{note}: median over rounds (bars), each round (dots)", fontsize=10
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -1180,7 +1177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
     with contextlib.suppress(ImportError):
-        plot(summary, names, out.with_suffix(".png"))
+        note = f", --api-server-count {args.api_server_count}" if args.api_server_count > 1 else ""
+        plot(summary, names, out.with_suffix(".png"), note)
     print(text, flush=True)
     return result
 
