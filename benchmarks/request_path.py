@@ -93,9 +93,7 @@ def table(results: dict[str, Any]) -> str:
     lines = [head, "|" + "---|" * (2 + len(names))]
     for body, target in TARGETS.items():
         c1, c16 = results[f"c1 {body}"], results[f"c16 {body}"]
-        cells = [
-            f"+{c1[n]['p50_added_ms']:.2f} ms / {c16[n]['throughput_ratio']:.2f}x" for n in names
-        ]
+        cells = [f"+{c1[n]['p50_added_ms']:.2f} ms / {c16[n]['throughput_ratio']:.2f}x" for n in names]
         goal = f"<= +{target['c1_added_ms']} ms / >= {target['c16_ratio']}x"
         lines.append(f"| {body} | {goal} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import httpx
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from typing_extensions import Unpack
 
+from ._allocator import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_freed_memory
 from ._answers import answer
 from ._asgi import first_header, route_path, send_json
 from ._equivalence import Engine, Equivalence, EquivalencePolicy
@@ -74,6 +75,13 @@ class EPDMiddleware:
             log_as_json()
         for warning in config.warnings():
             logger.warning("epd: %s", warning)
+        if config.tune_malloc and keep_freed_memory() == "set":
+            logger.info(
+                "epd: glibc's malloc keeps freed memory for the next large body (allocations under "
+                "%d MiB from the heap, up to %d MiB of it kept; tune_malloc=false leaves it as it was)",
+                MMAP_THRESHOLD >> 20,
+                TRIM_THRESHOLD >> 20,
+            )
         if config.uuid_key is None:
             logger.info(
                 "epd: media uuids are keyed by a key of this process's own (uuid_key is not set): media "

@@ -459,6 +459,15 @@ class EPDConfig(BaseModel):
         gt=0,
         description="Largest request body read on an intercepted path; larger ones get 413.",
     )
+    tune_malloc: bool = Field(
+        default=True,
+        description=(
+            "Where the process runs on glibc and its malloc was not tuned already (MALLOC_*_ or "
+            "GLIBC_TUNABLES), keep freed memory for the next large body instead of handing it back: "
+            "allocations under 32 MiB from the heap, up to 64 MiB of free heap kept (glibc's own limits "
+            "for its adaptive thresholds). Applies to the whole process."
+        ),
+    )
     max_media_items: int = Field(
         default=64,
         ge=1,
@@ -931,6 +940,7 @@ class EPDOptions(TypedDict, total=False):
     messages_paths: Sequence[str]
     responses_paths: Sequence[str]
     max_body_bytes: int
+    tune_malloc: bool
     max_media_items: int
     max_batch_size: int
     reuse_handles: bool
