@@ -172,21 +172,25 @@ def tasks() -> tuple[Counter[str], int]:
     return names, ours
 
 
-def metric_series() -> tuple[Counter[str], int]:
-    """(series of each epd_* metric, series of the whole default registry): every sample a scrape
-    would carry."""
+def metric_series() -> tuple[Counter[str], int, Counter[str]]:
+    """(series of each epd_* metric, series of the whole default registry, the epd_encoder_* series of
+    each value of the ``encoder`` label): every sample a scrape would carry."""
     ours: Counter[str] = Counter()
     try:
         from prometheus_client import REGISTRY
     except ImportError:
-        return ours, 0
+        return ours, 0, Counter()
     total = 0
+    servers: Counter[str] = Counter()
     for metric in REGISTRY.collect():
         count = len(metric.samples)
         total += count
         if metric.name.startswith("epd_"):
             ours[metric.name] += count
-    return ours, total
+            if metric.name.startswith("epd_encoder_"):
+                servers.update(sample.labels.get("encoder", "") for sample in metric.samples)
+    del servers[""]
+    return ours, total, servers
 
 
 def sample(app: EPDMiddleware, engine: Engine) -> dict[str, Any]:
@@ -195,7 +199,7 @@ def sample(app: EPDMiddleware, engine: Engine) -> dict[str, Any]:
     origins = dict(client._origins) if client is not None else {}
     fds, sockets = descriptors()
     names, our_tasks = tasks()
-    epd_series, all_series = metric_series()
+    epd_series, all_series, labelled = metric_series()
     stats = pipeline.stats
     pool = pipeline.encoders
     return {
@@ -209,6 +213,8 @@ def sample(app: EPDMiddleware, engine: Engine) -> dict[str, Any]:
         "pool_origins": len(origins),
         "metric_series": sum(epd_series.values()),
         "metric_series_by_name": dict(epd_series),
+        "series_by_encoder": dict(labelled),
+        "member_urls": list(pool.members),
         "registry_series": all_series,
         "reuse_entries": len(pipeline.reuse),
         "reuse_hits": pipeline.reuse.hits,
