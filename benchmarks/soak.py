@@ -583,9 +583,10 @@ BOUNDS = (
     Bound(
         "metric_series",
         "the labels' values are a finite set (roles, outcomes, blames, stages) times the members, and a "
-        "member that leaves takes its series along: the warm-up holds a whole fault cycle (every "
-        "outcome of every kind of member), so the last window may be where the first window's spread "
-        "put it, plus 0.",
+        "member that leaves takes its series along: the first window's spread is one member's series "
+        "(the DNS answer holds 2 or 3), and what the warm-up's whole fault cycle left unseen (a rare "
+        "outcome or blame of a static encoder, the one 'other' label of a call to a server that had just "
+        "left) is part of that finite set, which the per-server checks bound.",
         spread=True,
     ),
     Bound(
