@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.request_path [--baseline CHECKOUT] [--rounds 7] [--scale 1]
                                                 [--json docs/perf/request_path.json]
+    .venv/bin/python -m benchmarks.request_path --plot-from docs/perf/request_path.json
 
 The perf rig of ``benchmarks.perf`` (fake encoder and engine processes on loopback under uvicorn + uvloop
 + httptools, as vLLM runs; the load generator in this process), narrowed to what issue 38 item 2 set
@@ -99,17 +100,58 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Bars: p50 added over the floor at c1, and throughput against the floor at c16, per body and
+    variant, with the targets as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name in ("before", "epd", "relay", "proxy") if name in results["c1 1 image"]]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for axis, (key, field, label) in zip(
+        axes,
+        (
+            ("c1", "p50_added_ms", "p50 added over the direct floor, c1 (ms)"),
+            ("c16", "throughput_ratio", "throughput / floor, c16"),
+        ),
+        strict=True,
+    ):
+        for offset, body in enumerate(TARGETS):
+            values = [results[f"{key} {body}"][name][field] for name in names]
+            positions = [offset * (len(names) + 1) + index for index in range(len(names))]
+            axis.bar(positions, values, color=[f"C{index}" for index in range(len(names))])
+            target = TARGETS[body]["c1_added_ms" if key == "c1" else "c16_ratio"]
+            axis.hlines(target, positions[0] - 0.5, positions[-1] + 0.5, colors="k", linestyles="dashed")
+        axis.set_xticks([offset * (len(names) + 1) + (len(names) - 1) / 2 for offset in range(len(TARGETS))])
+        axis.set_xticklabels(list(TARGETS))
+        axis.set_title(label, fontsize=10)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{index}") for index in range(len(names))]
+    figure.legend(handles, names, loc="upper center", ncol=len(names))
+    figure.text(0.5, 0.01, "dashed: issue 38's targets", ha="center", fontsize=8)
+    figure.subplots_adjust(top=0.82, bottom=0.1)
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout, measured beside")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--scale", type=float, default=1.0, help="requests per round, times this")
-    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here (and a PNG beside)")
+    parser.add_argument("--plot-from", type=Path, default=None, help="only draw the table and plot of a JSON")
     args = parser.parse_args()
+    if args.plot_from:
+        results = json.loads(args.plot_from.read_text())
+        plot(results, args.plot_from.with_suffix(".png"))
+        print(table(results))
+        return
     results = anyio.run(run, args.baseline, args.rounds, args.scale, backend_options={"use_uvloop": True})
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
+        plot(results, args.json.with_suffix(".png"))
 
 
 if __name__ == "__main__":
