@@ -26,6 +26,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 BASE_ENV = {
     "HF_HUB_OFFLINE": "1",
+    # The lab's servers share the machine's cores, so vLLM must not pin threads to them (nobind). But
+    # nobind also skips vLLM's own choice of thread count, and the CPU worker then keeps torch's default,
+    # one OpenMP thread per core: its idle threads spin after every parallel region and stall the decode
+    # (TPOT 2-3x, gaps of ~100 ms on 2 cores; vLLM 0.32 v1/worker/cpu_worker.py:139-145 turns vLLM's own
+    # reduction to 1 thread into a no-op). One thread is what vLLM itself chooses for serving
+    # (utils/torch_utils.py set_torch_threads_for_runtime). Figures: benchmarks/pd_decode.py.
+    "OMP_NUM_THREADS": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
