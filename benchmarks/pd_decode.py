@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,19 +104,76 @@ def cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of one process, keyed ``main`` (the thread whose id is the process's)
-    or ``<thread name>/<tid>``."""
-    found: dict[str, float] = {}
+def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
+    """Per thread of one process, keyed ``main`` (the thread whose id is the process's) or ``<thread
+    name>/<tid>``: (seconds on a CPU, seconds runnable but waiting for one), from /proc/<tid>/schedstat."""
+    found: dict[str, tuple[float, float]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            ran, waited, _ = (task / "schedstat").read_text().split()
             name = (task / "comm").read_text().strip()
         except (FileNotFoundError, ProcessLookupError):
             continue
         key = "main" if int(task.name) == pid else f"{name}/{task.name}"
-        found[key] = (int(fields[11]) + int(fields[12])) / _TICK
+        found[key] = (int(ran) / 1e9, int(waited) / 1e9)
     return found
+
+
+# What a thread blocked in a system call is waiting in (x86-64 numbers).
+SYSCALLS = {
+    "24": "sched_yield",
+    "202": "futex",
+    "7": "poll",
+    "232": "epoll_wait",
+    "271": "ppoll",
+    "0": "read",
+}
+
+
+class ThreadStates:
+    """Samples, every 10 ms, where each thread of some processes is: ``user`` (running or runnable in
+    its own code: a thread that spins shows here), or the system call it is in (``futex``: asleep on a
+    lock or an OpenMP barrier; ``sched_yield``: vLLM's busy-poll), from /proc/<tid>/syscall; reading it
+    does not stop the thread."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.counts: dict[str, dict[str, int]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.01):
+            for role, pid in self.pids.items():
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    try:
+                        call = (task / "syscall").read_text().split()[0]
+                        name = (task / "comm").read_text().strip()
+                    except (FileNotFoundError, ProcessLookupError, IndexError, PermissionError):
+                        continue
+                    key = f"{role}.main" if int(task.name) == pid else f"{role}.{name}/{task.name}"
+                    state = "user" if call == "running" else SYSCALLS.get(call, f"syscall {call}")
+                    counts = self.counts.setdefault(key, {})
+                    counts[state] = counts.get(state, 0) + 1
+
+    def __enter__(self) -> ThreadStates:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Each thread's share of samples per state, for threads seen outside futex/poll waits."""
+        out: dict[str, dict[str, float]] = {}
+        for key, counts in self.counts.items():
+            total = sum(counts.values())
+            if counts.get("user", 0) + counts.get("sched_yield", 0) > 0.05 * total:
+                out[key] = {
+                    state: round(n / total, 3) for state, n in sorted(counts.items(), key=lambda i: -i[1])
+                }
+        return out
 
 
 def machine_busy() -> tuple[float, float]:
@@ -252,9 +310,11 @@ def measure(
     before = {(name, role): cpu_of(pid) for name, roles in pids.items() for role, pid in roles.items()}
     threads0 = {role: thread_cpu(pid) for role, pid in pids[target].items()}
     spies = []
+    states = ThreadStates({role: pids[target][role] for role in ("engine", "worker")})
     if profile is not None:
         for role in ("engine", "worker"):
             spies.append(py_spy(pids[target][role], profile.with_name(f"{profile.name}-{role}.raw")))
+        states.__enter__()
     metrics0 = engine_metrics(servers[target].url)
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0, total0 = machine_busy()
@@ -268,13 +328,20 @@ def measure(
     for spy in spies:
         spy.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
         spy.wait(timeout=120)
+    if profile is not None:
+        states.__exit__()
     tokens = result["total_output_tokens"]
     itls = sorted(x for request in result["itls"] for x in request)
-    threads = (
-        (f"{role}.{key}", (spent - threads0[role].get(key, 0.0)) / tokens * 1000)
+    threads = [
+        (
+            f"{role}.{key}",
+            (ran - threads0[role].get(key, (0.0, 0.0))[0]) / tokens * 1000,
+            (waited - threads0[role].get(key, (0.0, 0.0))[1]) / tokens * 1000,
+        )
         for role, found in threads1.items()
-        for key, spent in found.items()
-    )
+        for key, (ran, waited) in found.items()
+    ]
+    threads.sort(key=lambda item: -item[1])
     return {
         "case": case,
         "deployment": target,
@@ -302,9 +369,12 @@ def measure(
             f"{name}.{role}": round((after[(name, role)] - before[(name, role)]) / tokens * 1000, 3)
             for (name, role) in before
         },
-        "thread_cpu_ms_per_token": {
-            key: round(value, 3) for key, value in sorted(threads, key=lambda item: -item[1])[:6] if value > 0
+        # The measured server's busiest threads: on a CPU, and runnable but waiting for one (run queue).
+        "thread_cpu_ms_per_token": {key: round(ran, 3) for key, ran, _ in threads[:6] if ran > 0},
+        "thread_runqueue_ms_per_token": {
+            key: round(waited, 3) for key, ran, waited in threads[:6] if ran > 0
         },
+        **({"thread_states": states.shares()} if profile is not None else {}),
     }
 
 
@@ -365,6 +435,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "worker_cpu_ms_per_token": round(
                 statistics.median(r["cpu_ms_per_token"][f"{r['server']}.worker"] for r in mine),
                 2,
+            ),
+            # Time the worker's main thread was runnable but waited for a core, per output token.
+            "worker_main_runqueue_ms_per_token": round(
+                statistics.median(r["thread_runqueue_ms_per_token"].get("worker.main", 0.0) for r in mine), 2
             ),
             "failed": sum(r["failed"] for r in mine),
         }
