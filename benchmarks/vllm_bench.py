@@ -213,6 +213,15 @@ def thread_cpu_delta(
     return {f"{name} ({busy[name]})": round(value * 1000 / max(requests, 1), 2) for name, value in ranked}
 
 
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Set the CPU affinity of every thread of these processes."""
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+                    os.sched_setaffinity(int(task.name), cpus)
+
+
 def renice(pids: list[int], value: int) -> None:
     """Set the nice value of every thread of these processes (Linux's setpriority acts on one thread)."""
     for pid in pids:
@@ -696,12 +705,12 @@ class Runner:
             self.env.update({"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
         self.seeds = itertools.count(args.seed)
         self.idle: dict[str, float] = {}
+        self.cores = sorted(os.sched_getaffinity(0))
 
-    def others(self, front: Front) -> list[int]:
-        """Every server process of the lab but the ones py-spy samples for ``front``."""
-        profiled = set(front.profiled.values())
+    def others(self, profiled: dict[str, int]) -> list[int]:
+        """Every server process of the lab but the ones py-spy samples."""
         pids = {pid for other in self.fronts for role in other.roles for pid in role.pids()}
-        return sorted(pids - profiled)
+        return sorted(pids - set(profiled.values()))
 
     def prompts(self, point: Point) -> int:
         return max(int(self.args.min_prompts), int(self.args.prompts_per_slot) * point.concurrency)
@@ -717,8 +726,15 @@ class Runner:
         }
 
     def run(
-        self, front: Front, point: Point, tag: str, spy_rate: int = 0, prompts: int | None = None
+        self,
+        front: Front,
+        point: Point,
+        tag: str,
+        spy_rate: int = 0,
+        prompts: int | None = None,
+        profiled: dict[str, int] | None = None,
     ) -> dict[str, Any]:
+        profiled = front.profiled if profiled is None else profiled
         seed = next(self.seeds)
         name = f"{tag}-{front.name}-{point.key.replace(' ', '').replace(':', '-')}-s{seed}.json"
         command = bench_command(
@@ -747,13 +763,20 @@ class Runner:
                 # py-spy counts a thread holding the GIL, not a thread on a core: on 2 cores shared
                 # with busy engines the API server is often preempted while it holds the GIL (a
                 # socket write that wakes its reader, say), and those samples would be charged to
-                # whatever it was doing. With every other server process at nice 19 it keeps a core
-                # whenever it can run, so its GIL samples come close to its CPU time (the summary
-                # shows both). Its own work per request is the same code either way.
+                # whatever it was doing (they came to 5-8 times its CPU time). So during a profile
+                # run the sampled process has cores of its own (every CPU but the first) and every
+                # other server process and the client share the first, at nice 19: the sampled
+                # process runs whenever it can, and its GIL samples come close to its CPU time (the
+                # summary shows both). Its own work per request is the same code either way; the
+                # engines, on one core, are slower.
+                others = self.others(profiled)
+                if self.args.profile_isolate and len(self.cores) > 1:
+                    pin([*others, client], {self.cores[0]})
+                    pin(list(profiled.values()), set(self.cores[1:]))
                 if self.args.profile_nice:
-                    renice(self.others(front), self.args.profile_nice)
-                marks["threads0"] = {label: thread_cpu(pid) for label, pid in front.profiled.items()}
-                for label, pid in front.profiled.items():
+                    renice(others, self.args.profile_nice)
+                marks["threads0"] = {label: thread_cpu(pid) for label, pid in profiled.items()}
+                for label, pid in profiled.items():
                     out = self.work / f"{name}.{label.replace(' ', '_')}.raw"
                     spies[label] = Spy(self.args.py_spy, pid, out, spy_rate)
 
@@ -764,11 +787,13 @@ class Runner:
                 with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                     marks["client1"] = cpu_seconds(client)
             if spy_rate:
-                marks["threads1"] = {label: thread_cpu(pid) for label, pid in front.profiled.items()}
+                marks["threads1"] = {label: thread_cpu(pid) for label, pid in profiled.items()}
             for spy in spies.values():
                 spy.stop()
-            if spy_rate and self.args.profile_nice:
-                renice(self.others(front), 0)
+            if spy_rate:
+                everything = [*self.others({}), client]
+                pin(everything, set(self.cores))
+                renice(self.others({}), 0)
 
         started = time.monotonic()
         status, tail = run_client(command, self.env, self.args.run_timeout, on_start, on_end)
@@ -804,6 +829,7 @@ class Runner:
                 summary: dict[str, Any] = {
                     "cpu_ms_per_request_by_thread": dict(list(cpu_threads.items())[:12]),
                     "others_niced_to": self.args.profile_nice,
+                    "isolated_on_cores": self.cores[1:] if self.args.profile_isolate else None,
                 }
                 if spy.out.exists():
                     summary.update(summarise_profile(spy.out, spy_rate, completed))
@@ -1000,6 +1026,7 @@ def profile_markdown(profiles: dict[str, Any]) -> str:
                 "CPU ms per request by thread (schedstat; name (threads)): "
                 + ", ".join(f"{k} {v:.1f}" for k, v in threads.items())
                 + f"; other server processes at nice {summary.get('others_niced_to', 0)}"
+                + f", this one alone on cores {summary.get('isolated_on_cores')}"
             )
             if "main_thread_by_category_ms" not in summary:
                 lines.append(f"(no profile: {summary.get('error', '')})")
@@ -1072,8 +1099,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     measure.add_argument("--profile", action="store_true", help="a py-spy pass on each front's API server")
     measure.add_argument("--profile-point", default=PROFILE_POINT)
+    measure.add_argument(
+        "--profile-fronts", default="", help="single,epd,proxy: which to profile (default all)"
+    )
     measure.add_argument("--profile-rate", type=int, default=200)
     measure.add_argument("--profile-prompts", type=int, default=96)
+    measure.add_argument(
+        "--no-profile-isolate",
+        dest="profile_isolate",
+        action="store_false",
+        help="leave every process on every core during a profile run",
+    )
     measure.add_argument(
         "--profile-nice",
         type=int,
@@ -1136,11 +1172,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.profile:
                 point = Point.parse(args.profile_point)
                 for front in fronts:
-                    record = runner.run(
-                        front, point, "profile", spy_rate=args.profile_rate, prompts=args.profile_prompts
-                    )
-                    profiles[front.name] = record.pop("profile", {})
-                    profiles[front.name + " (run)"] = record
+                    if args.profile_fronts and front.name not in args.profile_fronts.split(","):
+                        continue
+                    # One process sampled at a time (the proxy's front has two), each with the cores
+                    # the others leave.
+                    for label, pid in front.profiled.items():
+                        record = runner.run(
+                            front,
+                            point,
+                            "profile",
+                            spy_rate=args.profile_rate,
+                            prompts=args.profile_prompts,
+                            profiled={label: pid},
+                        )
+                        profiles.setdefault(front.name, {}).update(record.pop("profile", {}))
+                        profiles[f"{front.name}: {label} (run)"] = record
             idle = runner.idle
     names = [front.name for front in fronts]
     summary = summarise(runs, names, [point.key for point in round_points])
@@ -1176,9 +1222,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = table + ("\n\n" + profile_markdown(kept_profiles) if kept_profiles else "")
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
-    with contextlib.suppress(ImportError):
-        note = f", --api-server-count {args.api_server_count}" if args.api_server_count > 1 else ""
-        plot(summary, names, out.with_suffix(".png"), note)
+    if runs:  # a profile pass alone has no table to plot
+        with contextlib.suppress(ImportError):  # matplotlib: the bench extra
+            note = f", --api-server-count {args.api_server_count}" if args.api_server_count > 1 else ""
+            plot(summary, names, out.with_suffix(".png"), note)
     print(text, flush=True)
     return result
 
