@@ -463,6 +463,8 @@ def build_app(
     # encoder_selection='round_robin'); the affinity tests ask for it explicitly.
     options.setdefault("encoder_selection", "round_robin")
     options.setdefault("uuid_key", TEST_UUID_KEY)
+    # The allocator's start-up line would sit among the lines tests count (tests/test_allocator.py).
+    options.setdefault("tune_malloc", False)
     app.add_middleware(EPDMiddleware, encoders=encoders.urls, http_client=client, **options)
     return app, client
 
@@ -475,6 +477,7 @@ def app_with_encoder_handler(
     app = engine.app()
     options.setdefault("encoder_selection", "round_robin")
     options.setdefault("uuid_key", TEST_UUID_KEY)
+    options.setdefault("tune_malloc", False)
     app.add_middleware(
         EPDMiddleware, http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler)), **options
     )

@@ -63,7 +63,9 @@ def assert_one_line_each(stream: io.StringIO, request_id: str) -> list[str]:
 
 
 def app_of(handler: Any, **options: Any) -> Any:
+    # Without the start-up's own lines (the uuid key's, the allocator's): these tests read request lines.
     options.setdefault("uuid_key", TEST_UUID_KEY)
+    options.setdefault("tune_malloc", False)
     return EPDMiddleware(
         FakeEngine().app(),
         encoders=[E0, E1],
