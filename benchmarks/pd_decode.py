@@ -73,6 +73,8 @@ IMAGE_ARGS = [
     "{(224, 224, 1): 1.0}",
 ]
 PAIRS = {"text": ("single", "pd"), "image": ("single", "epd")}
+# Seeds of vllm bench serve's random data: round i uses i; these stay clear of any round's.
+WARM_SEED, PROFILE_SEED = 1_000_000, 1_000_001
 
 
 def descendants(pid: int) -> dict[str, int]:
@@ -485,13 +487,22 @@ def main() -> None:
             deadline = time.monotonic() + 900
             for server in started:
                 server.wait_ready(deadline)
-            # An untimed warm-up per deployment, so that no timed run pays for first calls.
+            # An untimed warm-up per deployment, so that no timed run pays for first calls. The warm-up and
+            # the profiling pass draw their own seeds: a round given their images would find every embedding
+            # already stored and the encoder idle (round 0 of the first published run did).
             everyone = {server.name: server for server in started}
             for servers in fleets.values():
                 for case in cases:
                     for target in PAIRS[case]:
                         measure(
-                            vllm_bin, model, everyone, servers[target].name, case, 5, root / "warm.json", 0
+                            vllm_bin,
+                            model,
+                            everyone,
+                            servers[target].name,
+                            case,
+                            5,
+                            root / "warm.json",
+                            WARM_SEED,
                         )
             if args.profile_dir is not None:
                 # A pass of its own, kept out of the rounds: py-spy takes CPU the servers would have.
@@ -507,7 +518,7 @@ def main() -> None:
                                 case,
                                 args.prompts,
                                 root / f"profiled-{variant}-{case}-{target}.json",
-                                0,
+                                PROFILE_SEED,
                                 args.profile_dir / f"{variant}-{case}-{target}",
                             )
                             run.update(
