@@ -528,7 +528,7 @@ def summarise_profile(raw: Path, rate: int, requests: int, top: int = 15) -> dic
                 middleware_inclusive[name] += count
 
     def ms(samples: int) -> float:
-        return round(samples / rate * 1000 / max(requests, 1), 2)
+        return round(samples / rate * 1000 / max(requests, 1), 3)
 
     def ranked(counter: Counter[str], limit: int = top) -> list[list[Any]]:
         return [[name, ms(count)] for name, count in counter.most_common(limit)]
