@@ -203,23 +203,31 @@ def test_mooncake_bad_media_gets_vllms_own_answer_and_keeps_both_encoders(
 ) -> None:
     """Issue 29, item 1, on the seed's connector: a data URL that is not base64, three times; each is
     answered as the single instance answers it, after one encoder call, and no encoder is blamed.
-    Issue 35: an encoder whose recent answers are mostly "the client's fault" (earlier tests' bad media
-    landed there) is doubted, which costs at most one canary (answered 200) for the three, never a
-    second call of the client's media."""
+    Issue 35: content affinity sends the three to one encoder, whose third "client's fault" in a row has
+    it doubted: at most one canary (answered 200) for the three, and, where its share of such answers
+    stands out from the other encoder's, one second opinion a health-check interval (docs/resilience.md),
+    which vindicates it; never a call per encoder or per bad request. (CI saw 4 calls for the 3: the
+    second opinion, which this test once counted as a defect.)"""
     bad = seed_request(MODEL, images=["data:image/png,not-base64"])
     baseline = chat(mooncake.single, bad)
     assert baseline.status_code == 501, baseline.text
     rejected = [rejected_calls(server) for server in mooncake.encoders]
     served = [chat_calls(server) for server in mooncake.encoders]
+    started = time.monotonic()
     for _ in range(3):
         response = chat(mooncake.pd, bad)
         record("Mooncake PD, a non-base64 data URL", response)
         assert (response.status_code, response.json()) == (baseline.status_code, baseline.json())
+    elapsed = time.monotonic() - started
     rejected_after = [rejected_calls(server) for server in mooncake.encoders]
     after = [chat_calls(server) for server in mooncake.encoders]
-    assert sum(rejected_after) - sum(rejected) == 3  # one call each, not one per encoder
-    assert sum(after) - sum(served) - 3 <= 1  # and at most one canary for the three
-    for url, state in status(mooncake.pd)["encoders"].items():
+    page = status(mooncake.pd)
+    second_opinions = 1 + int(elapsed / page["config"]["health_check_interval"])
+    client_calls = sum(rejected_after) - sum(rejected)
+    # One call each, not one per encoder, and a second opinion at most once an interval.
+    assert 3 <= client_calls <= 3 + second_opinions, (rejected, rejected_after, second_opinions)
+    assert sum(after) - sum(served) - client_calls <= 1  # and at most one canary for the three
+    for url, state in page["encoders"].items():
         assert state["healthy"], (url, state)
         assert state["consecutive_failures"] == 0
 
