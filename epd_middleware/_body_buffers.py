@@ -4,9 +4,9 @@ A multimodal body arrives from the ASGI server in pieces of up to 256 KB and mus
 parsed: 8 images are 1.6 MB. Joined into a new ``bytes`` each time, that buffer comes from memory glibc
 has just handed back to the system (a freed multi-MB block is trimmed or unmapped), and every 4 KB page
 of it is faulted in again, zeroed, on the first write: 2.4 us a page on the perf rig's machine, about
-1 ms for 1.6 MB, more than the copy itself (measured: 534 page faults per 8-image request in the engine
-process at concurrency 1, 381 with these buffers; docs/performance.md). A buffer kept from one request
-to the next has its pages already.
+1 ms for 1.6 MB, more than the copy itself (measured: 717 page faults per 8-image request in the engine
+process at concurrency 1, 347 with these buffers, none once malloc keeps freed memory too: _allocator.py,
+docs/performance.md). A buffer kept from one request to the next has its pages already.
 
 A buffer is used again only when nothing can still read it: the media strings of a parsed body are
 ``msgspec.Raw`` views of it, and they can outlive the request (the equivalence probe keeps a sample of
