@@ -69,7 +69,7 @@ import anyio
 from epd_lab.servers import free_port
 from epd_middleware._http import HTTPClient, HTTPError
 
-from .cpu_per_request import cpu_of, own_cpu
+from .cpu_per_request import cpu_of, machine_busy, own_cpu
 from .perf import chat_request, noise_png
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,13 +86,6 @@ FULL_SCALE = {
     "decode_s": 32 * 0.0119,
 }
 _JSON = {"content-type": "application/json"}
-
-
-def _machine_busy() -> tuple[float, float]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -234,7 +227,7 @@ async def measure(procs: Processes, attack: str | None, seconds: float) -> dict[
     for client in clients[:HONEST_CONCURRENCY]:  # warm connections and the middleware's first calls
         status, _ = await client.request("POST", url, bodies[0], _JSON)
         assert status == 200, status
-    cpu_before, machine_before = procs.cpu(), _machine_busy()
+    cpu_before, machine_before = procs.cpu(), machine_busy()
     started = time.perf_counter()
     deadline = started + seconds
     counter = iter(range(10**9))
@@ -283,7 +276,7 @@ async def measure(procs: Processes, attack: str | None, seconds: float) -> dict[
             group.start_soon(attacker, clients[HONEST_CONCURRENCY], attack)
         group.start_soon(poller, clients[HONEST_CONCURRENCY + 1])
     wall = time.perf_counter() - started
-    cpu_after, machine_after = procs.cpu(), _machine_busy()
+    cpu_after, machine_after = procs.cpu(), machine_busy()
     final = await status_of(clients[0], procs.pd)
     encoder_stats = []
     for encoder in procs.encoders:

@@ -37,6 +37,14 @@ def cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine since boot, from /proc/stat (idle and iowait are not
+    busy); the difference of two readings gives the machine's busy share over the time between."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
 def own_cpu() -> float:
     """The user + system CPU seconds this process has used."""
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -57,7 +57,7 @@ import httpx
 
 from epd_lab import servers as lab
 
-_TICK = os.sysconf("SC_CLK_TCK")
+from .cpu_per_request import cpu_of, machine_busy
 
 TEXT_ARGS = ["--dataset-name", "random"]
 IMAGE_ARGS = [
@@ -98,12 +98,6 @@ def descendants(pid: int) -> dict[str, int]:
             elif comm.startswith("VLLM::Worker"):
                 found["worker"] = child
     return found
-
-
-def cpu_of(pid: int) -> float:
-    """User + system CPU seconds of one process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
@@ -176,13 +170,6 @@ class ThreadStates:
                     state: round(n / total, 3) for state, n in sorted(counts.items(), key=lambda i: -i[1])
                 }
         return out
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot."""
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]
-    return (sum(values) - idle) / _TICK, sum(values) / _TICK
 
 
 def py_spy(pid: int, out: Path) -> subprocess.Popen[bytes]:
