@@ -33,6 +33,10 @@ BASE_ENV = {
     # reduction to 1 thread into a no-op). One thread is what vLLM itself chooses for serving
     # (utils/torch_utils.py set_torch_threads_for_runtime). Figures: benchmarks/pd_decode.py.
     "OMP_NUM_THREADS": "1",
+    # vLLM's engine and worker spin on their shared-memory queue for 1 s after each message: on cores
+    # shared by every server of the lab that is a core per idle server. Held to 5 ms, which still covers
+    # the steps of a running request (epd_lab/busy_poll.py; figures in docs/performance.md).
+    "EPD_LAB_VLLM_SPIN_S": "0.005",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -129,8 +133,9 @@ def install_project(python: str) -> None:
 
 
 CONNECTORS = ("example", "mooncake")
-# On a lab PD's PYTHONPATH with Mooncake: the V1-runner shim (epd_lab/v1_runner_shim.py).
-SHIM_SITE = ROOT / "epd_lab" / "pd_site"
+# On every lab server's PYTHONPATH: installs what the lab's environment asks for in each of its processes
+# (epd_lab/lab_site/sitecustomize.py): the busy-poll hold, a Mooncake PD's V1-runner shim.
+LAB_SITE = ROOT / "epd_lab" / "lab_site"
 # What Mooncake needs here (docs/vllm-cpu.md): its hostname is vLLM's get_ip(), which is not loopback.
 MOONCAKE_ENV = {"VLLM_HOST_IP": "127.0.0.1"}
 # The lab fleet's secret for content uuids (EPD_UUID_KEY): every PD of the lab shares it, as a fleet's PD
@@ -271,6 +276,8 @@ class VLLMServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         env = {**os.environ, **BASE_ENV, **self.env}
+        path = [str(LAB_SITE), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        env["PYTHONPATH"] = os.pathsep.join(path)
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
         )
@@ -398,8 +405,7 @@ def pd_server(
     if connector == "mooncake":
         env.update(MOONCAKE_ENV)
         if shim:
-            path = [str(SHIM_SITE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-            env["PYTHONPATH"] = os.pathsep.join(path)
+            env["EPD_LAB_V1_RUNNER_SHIM"] = "1"
     env.update(extra_env or {})
     if via == "plugin":
         env["VLLM_PLUGINS"] = "epd"

@@ -1,6 +1,7 @@
 """A lab-only stand-in for what Model Runner V2 does and the V1 runner does not: run the EC connector on a
 step with no tokens to compute. Loaded into the PD's processes (never into the package) by
-:func:`epd_lab.servers.pd_server` for ECMooncakeConnector, through ``sitecustomize`` on its PYTHONPATH.
+:func:`epd_lab.servers.pd_server` for ECMooncakeConnector (``EPD_LAB_V1_RUNNER_SHIM=1``, read by the lab's
+``sitecustomize``, epd_lab/lab_site).
 
 The bug it stands in for (vLLM 0.32 and 0.33, file:line in vLLM 0.32):
 
@@ -30,13 +31,11 @@ loads (``epd-lab: ran the EC connector on a step with no tokens``).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import logging
-import sys
-from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+from epd_lab.import_patch import patch_on_import
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 MOONCAKE_WORKER_MODULE = "vllm.distributed.ec_transfer.ec_connector.mooncake.worker"
@@ -49,46 +48,7 @@ logger = logging.getLogger("vllm.epd_lab.v1_runner_shim")
 
 def install() -> None:
     """Patch the two vLLM modules when they are imported (now, if they already are)."""
-    patches: dict[str, Callable[[ModuleType], None]] = {
-        RUNNER_MODULE: _patch_runner,
-        MOONCAKE_WORKER_MODULE: _patch_mooncake_worker,
-    }
-    waiting = {}
-    for name, patch in patches.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-        else:
-            waiting[name] = patch
-    if waiting:
-        sys.meta_path.insert(0, _PatchOnImport(waiting))
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: lets the normal finders find the module, then patches it once executed."""
-
-    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
-        self._patches = patches
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        patch = self._patches.pop(fullname, None)
-        if patch is None:
-            return None
-        if not self._patches:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module: ModuleType) -> None:
-            exec_module(module)
-            patch(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+    patch_on_import({RUNNER_MODULE: _patch_runner, MOONCAKE_WORKER_MODULE: _patch_mooncake_worker})
 
 
 def _patch_runner(module: ModuleType) -> None:

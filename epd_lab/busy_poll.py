@@ -1,0 +1,73 @@
+"""Hold vLLM's shared-memory busy-poll to a few milliseconds in the lab's servers (never in the package).
+
+vLLM's engine core and its worker pass each step through a shared-memory queue whose reader spins
+(``sched_yield`` in a loop) for one second after every message before it sleeps on a socket
+(vLLM 0.32 and 0.33 ``distributed/device_communicators/shm_broadcast.py``, ``SpinCondition``,
+``busy_loop_s=1``; the writer wakes a sleeping reader on every message, ``notify``). On a GPU node each
+server has cores of its own and the spin costs nothing. In the lab every server shares the machine's two
+cores: an encoder that answered a request 0.9 s ago still spins a whole core, and at one request at a
+time the lab's E + PD kept both cores busy: the figures are in docs/performance.md ("The lab's
+busy-poll").
+
+``EPD_LAB_VLLM_SPIN_S`` (the lab's BASE_ENV sets it): the spin in seconds after the last message. A
+decode step comes every few milliseconds, so the spin still covers a running request's steps; it no
+longer outlasts the request by a second. Unset or empty: vLLM's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+from epd_lab.import_patch import patch_on_import
+
+SPIN_ENV = "EPD_LAB_VLLM_SPIN_S"
+MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+PARAMETER = "busy_loop_s"
+
+# A child of vLLM's logger, so the line reaches the server's log with vLLM's own format.
+logger = logging.getLogger("vllm.epd_lab.busy_poll")
+
+
+def spin_seconds(environ: dict[str, str] | os._Environ[str] = os.environ) -> float | None:
+    """The spin the environment asks for; None for vLLM's own (unset, empty, or not a number >= 0)."""
+    text = environ.get(SPIN_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 and seconds == seconds else None
+
+
+def install() -> None:
+    seconds = spin_seconds()
+    if seconds is not None:
+        patch_on_import({MODULE: functools.partial(hold_spin, seconds=seconds)})
+
+
+def hold_spin(module: ModuleType, seconds: float) -> None:
+    """Make ``seconds`` the spin of every ``SpinCondition`` that does not name its own."""
+    condition = getattr(module, "SpinCondition", None)
+    stock = getattr(condition, "__init__", None)
+    if condition is None or stock is None:
+        logger.warning("epd-lab: %s has no SpinCondition; vLLM's busy-poll left as it is", MODULE)
+        return
+    signature = inspect.signature(stock)
+    if PARAMETER not in signature.parameters:
+        logger.warning("epd-lab: SpinCondition takes no %s; vLLM's busy-poll left as it is", PARAMETER)
+        return
+
+    @functools.wraps(stock)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if PARAMETER not in signature.bind_partial(self, *args, **kwargs).arguments:
+            kwargs[PARAMETER] = seconds
+        stock(self, *args, **kwargs)
+
+    condition.__init__ = __init__
+    logger.info("epd-lab: vLLM's shared-memory busy-poll held to %g s (%s)", seconds, SPIN_ENV)
