@@ -31,7 +31,7 @@ from ._protocol import (
     EC_TRANSFER_PARAMS,
     MODEL,
     embedding_stored,
-    example_connector_file,
+    plain_file_name,
 )
 from ._rawjson import text_of
 from ._surfaces import ParsedRequest, Surface, choices_aborted
@@ -268,7 +268,7 @@ def _check_stored(encoder: str, handles: Mapping[ItemKey, Handle], storage: str)
     """
     for handle in handles.values():
         mm_hash = handle.mm_hash
-        if example_connector_file(storage, mm_hash) is None:
+        if not plain_file_name(mm_hash):
             raise UpstreamBadReply(encoder, f"reported hash {mm_hash[:80]!r} is not a valid file name")
         if not embedding_stored(storage, mm_hash):
             raise UpstreamBadReply(encoder, f"the embedding of {mm_hash[:80]!r} is not in the shared storage")

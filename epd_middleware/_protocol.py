@@ -16,6 +16,8 @@ surface's adapter in :mod:`epd_middleware._surfaces`.
 from __future__ import annotations
 
 import os
+import stat
+import time
 from typing import Any, Final
 
 # Content part type -> (modality, key that holds the media, key of the media inside that holder). The
@@ -285,6 +287,9 @@ def cache_salt_refusal(salt: object) -> str | None:
 # ECExampleConnector stores one embedding per hash at <shared_storage_path>/<mm_hash>/<this file>
 # (``distributed/ec_transfer/ec_connector/example_connector.py``: ``os.path.join`` of the hash as given).
 EXAMPLE_CONNECTOR_FILE: Final = "encoder_cache.safetensors"
+# An embedding whose file was written or touched this recently is "used now" without another touch
+# (:func:`embedding_used`): far under the cleanup's age, counted in minutes (EC_MAX_AGE_MINUTES, 60).
+FRESH_SECONDS: Final = 10.0
 # The longest name of one directory entry, in bytes (Linux's NAME_MAX).
 _NAME_MAX = 255
 
@@ -321,11 +326,24 @@ def embedding_used(storage: str, mm_hash: str) -> bool:
     """:func:`embedding_stored`, just before the engine gets a reference to it, and its modification
     time set to now: an age-based cleanup of the storage (deploy/kubernetes's CronJob) then counts from
     its last use, not from when an encoder first wrote it (an encoder that finds it there writes nothing).
+
+    A file written or touched within the last :data:`FRESH_SECONDS` is left as it is: its time already
+    says "used now" to a cleanup that counts in minutes, and on a shared file system the write is a round
+    trip to the server (NFS's SETATTR) on the event loop, for each item of every request. A time in the
+    future (another clock) is not trusted as fresh.
     """
-    if not embedding_stored(storage, mm_hash):
-        return False
     path = example_connector_file(storage, mm_hash)
-    assert path is not None
+    if path is None:
+        return False
+    try:
+        found = os.stat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(found.st_mode):  # a directory of that name is not an embedding
+        return False
+    age = time.time() - found.st_mtime
+    if 0 <= age < FRESH_SECONDS:
+        return True
     try:
         os.utime(path)
     except OSError:  # gone since the stat, or a storage that takes no metadata writes: as stat said

@@ -29,7 +29,7 @@ import yaml
 
 from epd_middleware import EPDConfig, EPDMiddleware, Host
 from epd_middleware._metrics import Stats
-from epd_middleware._protocol import EXAMPLE_CONNECTOR_FILE, embedding_used
+from epd_middleware._protocol import EXAMPLE_CONNECTOR_FILE, FRESH_SECONDS, embedding_used
 from epd_middleware._scheduler import Scheduler
 from epd_middleware.errors import ForbiddenTarget
 
@@ -210,6 +210,35 @@ def test_the_cleanup_and_the_docs_count_an_embeddings_age_from_its_last_use(tmp_
     assert "the age counts from: the embedding's last use" in comment.lower()
     assert "when the encoder wrote it)" not in comment
     assert "**last use**" in doc_section("The EC storage and its cleanup")
+
+
+@pytest.mark.parametrize(
+    ("written_ago", "touched"),
+    [(2.0, False), (FRESH_SECONDS + 5, True), (-3600.0, True)],
+    ids=["written just now: its time already says used", "older: touched", "in the future: touched"],
+)
+def test_a_check_touches_an_embedding_only_when_its_time_does_not_already_say_now(
+    tmp_path: Path, written_ago: float, touched: bool
+) -> None:
+    """The touch is a metadata write, a round trip to a shared file system's server on PD's event loop
+    for each item: an embedding its encoder has just written (or a check has just touched) already reads
+    as used now to a cleanup that counts in minutes. A time in the future (another clock) is not trusted."""
+    (tmp_path / "hash-a").mkdir()
+    stored = tmp_path / "hash-a" / EXAMPLE_CONNECTOR_FILE
+    stored.write_bytes(b"x")
+    written = time.time() - written_ago
+    os.utime(stored, (written, written))
+    assert embedding_used(str(tmp_path), "hash-a")
+    assert (stored.stat().st_mtime != written) is touched
+    if touched:
+        assert abs(stored.stat().st_mtime - time.time()) < 60
+
+
+def test_a_directory_or_nothing_by_the_embeddings_name_is_not_an_embedding(tmp_path: Path) -> None:
+    (tmp_path / "hash-a" / EXAMPLE_CONNECTOR_FILE).mkdir(parents=True)
+    assert not embedding_used(str(tmp_path), "hash-a")
+    assert not embedding_used(str(tmp_path), "hash-b")
+    assert not embedding_used(str(tmp_path), "../hash-a")
 
 
 # --- Item 4: the decode pods call the prefill pods and nothing else, whatever the pod CIDR -------------
