@@ -12,6 +12,13 @@ busy-poll").
 ``EPD_LAB_VLLM_SPIN_S`` (the lab's BASE_ENV sets it): the spin in seconds after the last message. A
 decode step comes every few milliseconds, so the spin still covers a running request's steps; it no
 longer outlasts the request by a second. Unset or empty: vLLM's own.
+
+With the spin held, a reader goes to sleep many times a second instead of after a second of quiet, and
+now and then a message does not wake it: it finds the message only at its periodic recheck,
+``SHM_READER_RECHECK_INTERVAL_MS`` (5,000 ms), and the request stalls for 5 s (seen in 6 of 24 c4 runs
+of ``vllm bench serve``, 5.15-5.32 s each, under either front; never in 105 runs with vLLM's 1 s spin).
+The hold therefore also makes a sleeping reader recheck every :data:`RECHECK_MS`: a missed wake-up
+costs that much, and a reader that sleeps wakes 50 times a second for a check of a few microseconds.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from epd_lab.import_patch import patch_on_import
 SPIN_ENV = "EPD_LAB_VLLM_SPIN_S"
 MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 PARAMETER = "busy_loop_s"
+RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
+RECHECK_MS = 20
 
 # A child of vLLM's logger, so the line reaches the server's log with vLLM's own format.
 logger = logging.getLogger("vllm.epd_lab.busy_poll")
@@ -70,4 +79,15 @@ def hold_spin(module: ModuleType, seconds: float) -> None:
         stock(self, *args, **kwargs)
 
     condition.__init__ = __init__
-    logger.info("epd-lab: vLLM's shared-memory busy-poll held to %g s (%s)", seconds, SPIN_ENV)
+    # Read by the reader's wait at each call (ReadTimeoutWithWarnings.timeout_ms), so setting the module's
+    # value is enough.
+    recheck = getattr(module, RECHECK, None)
+    if isinstance(recheck, int) and recheck > RECHECK_MS:
+        setattr(module, RECHECK, RECHECK_MS)
+    else:
+        logger.warning("epd-lab: %s has no %s above %d ms; left as it is", MODULE, RECHECK, RECHECK_MS)
+    logger.info(
+        "epd-lab: vLLM's shared-memory busy-poll held to %g s, a sleeping reader's recheck to %s ms",
+        seconds,
+        getattr(module, RECHECK, None),
+    )

@@ -27,6 +27,7 @@ class StockSpinCondition:
 
 def shm_module(condition: type | None = StockSpinCondition) -> types.ModuleType:
     module = types.ModuleType(busy_poll.MODULE)
+    module.SHM_READER_RECHECK_INTERVAL_MS = 5000  # vLLM 0.32's and 0.33's
     if condition is not None:
         module.SpinCondition = type("SpinCondition", (condition,), {})  # a copy per test
     return module
@@ -36,6 +37,14 @@ def test_a_spin_condition_that_names_no_spin_gets_the_labs() -> None:
     module = shm_module()
     busy_poll.hold_spin(module, 0.005)
     assert module.SpinCondition(True, None, "ipc://x").busy_loop_s == 0.005
+
+
+def test_a_sleeping_reader_rechecks_often_enough_that_a_missed_wake_up_costs_little() -> None:
+    """With the spin held, a reader sleeps many times a second, and a message that does not wake it was
+    found only at vLLM's 5 s recheck (the lab's 5.2 s stalls)."""
+    module = shm_module()
+    busy_poll.hold_spin(module, 0.005)
+    assert module.SHM_READER_RECHECK_INTERVAL_MS == busy_poll.RECHECK_MS == 20
 
 
 @pytest.mark.parametrize(
@@ -94,13 +103,16 @@ def test_every_lab_server_runs_the_labs_site_with_the_hold(tmp_path: Path) -> No
 
 
 SHM_STANDIN = """
+SHM_READER_RECHECK_INTERVAL_MS = 5000
+
+
 class SpinCondition:
     def __init__(self, is_reader, context, notify_address, busy_loop_s=1):
         self.busy_loop_s = busy_loop_s
 """
 
 
-@pytest.mark.parametrize(("spin", "expected"), [("0.005", 0.005), ("", 1)])
+@pytest.mark.parametrize(("spin", "expected"), [("0.005", 0.005), ("", 1.0)])
 def test_the_labs_site_patches_the_module_when_a_process_imports_it(
     tmp_path: Path, spin: str, expected: float
 ) -> None:
@@ -115,8 +127,9 @@ def test_the_labs_site_patches_the_module_when_a_process_imports_it(
         """
         import sys
         assert "vllm" not in sys.modules
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-        print(SpinCondition(True, None, "ipc://x").busy_loop_s)
+        from vllm.distributed.device_communicators import shm_broadcast
+        print(shm_broadcast.SpinCondition(True, None, "ipc://x").busy_loop_s)
+        print(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
         """
     )
     env = {
@@ -127,4 +140,6 @@ def test_the_labs_site_patches_the_module_when_a_process_imports_it(
     env.pop("EPD_LAB_V1_RUNNER_SHIM", None)
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.strip()) == expected
+    spin_seen, recheck_seen = out.stdout.split()
+    assert float(spin_seen) == expected
+    assert int(recheck_seen) == (20 if spin else 5000)
