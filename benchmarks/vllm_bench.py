@@ -574,7 +574,13 @@ def lab_fronts(args: argparse.Namespace, root: Path) -> Iterator[tuple[list[Fron
         for server in (single, pd, *([plain] if plain else [])):
             server.args += ["--api-server-count", str(args.api_server_count)]
     proxy: subprocess.Popen[bytes] | None = None
-    info: dict[str, Any] = {"vllm_python": python, "model": str(model), "tokenizer": str(model)}
+    # The lab's environment (threads, vLLM's busy-poll held to EPD_LAB_VLLM_SPIN_S) goes with the figures.
+    info: dict[str, Any] = {
+        "vllm_python": python,
+        "model": str(model),
+        "tokenizer": str(model),
+        "lab_env": dict(lab.BASE_ENV),
+    }
     try:
         lab.start_all(servers, timeout=args.start_timeout)
         fronts = [
@@ -620,6 +626,13 @@ def lab_fronts(args: argparse.Namespace, root: Path) -> Iterator[tuple[list[Fron
         info["servers"] = {server.name: server.command()[2:] for server in servers}
         info["plugin_loaded_in_api_servers"] = {
             server.name: server.log_path.read_text(errors="replace").count("epd: encoder disaggregation over")
+            for server in servers
+        }
+        # One line from each process of a server that holds vLLM's busy-poll (epd_lab/busy_poll.py).
+        info["busy_poll_held_in_processes"] = {
+            server.name: server.log_path.read_text(errors="replace").count(
+                "epd-lab: vLLM's shared-memory busy-poll held"
+            )
             for server in servers
         }
         info["api_processes"] = {

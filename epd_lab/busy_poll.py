@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -38,8 +38,11 @@ PARAMETER = "busy_loop_s"
 RECHECK = "SHM_READER_RECHECK_INTERVAL_MS"
 RECHECK_MS = 20
 
-# A child of vLLM's logger, so the line reaches the server's log with vLLM's own format.
-logger = logging.getLogger("vllm.epd_lab.busy_poll")
+
+def _say(message: str, *args: object) -> None:
+    """A line in the server's log. vLLM configures its logging after it imports this module, so a
+    logger's line would be dropped here: straight to stderr, which the lab writes to the server's log."""
+    print(message % args, file=sys.stderr, flush=True)
 
 
 def spin_seconds(environ: dict[str, str] | os._Environ[str] = os.environ) -> float | None:
@@ -65,11 +68,11 @@ def hold_spin(module: ModuleType, seconds: float) -> None:
     condition = getattr(module, "SpinCondition", None)
     stock = getattr(condition, "__init__", None)
     if condition is None or stock is None:
-        logger.warning("epd-lab: %s has no SpinCondition; vLLM's busy-poll left as it is", MODULE)
+        _say("epd-lab: %s has no SpinCondition; vLLM's busy-poll left as it is", MODULE)
         return
     signature = inspect.signature(stock)
     if PARAMETER not in signature.parameters:
-        logger.warning("epd-lab: SpinCondition takes no %s; vLLM's busy-poll left as it is", PARAMETER)
+        _say("epd-lab: SpinCondition takes no %s; vLLM's busy-poll left as it is", PARAMETER)
         return
 
     @functools.wraps(stock)
@@ -85,8 +88,8 @@ def hold_spin(module: ModuleType, seconds: float) -> None:
     if isinstance(recheck, int) and recheck > RECHECK_MS:
         setattr(module, RECHECK, RECHECK_MS)
     else:
-        logger.warning("epd-lab: %s has no %s above %d ms; left as it is", MODULE, RECHECK, RECHECK_MS)
-    logger.info(
+        _say("epd-lab: %s has no %s above %d ms; left as it is", MODULE, RECHECK, RECHECK_MS)
+    _say(
         "epd-lab: vLLM's shared-memory busy-poll held to %g s, a sleeping reader's recheck to %s ms",
         seconds,
         getattr(module, RECHECK, None),

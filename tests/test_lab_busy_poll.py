@@ -143,3 +143,5 @@ def test_the_labs_site_patches_the_module_when_a_process_imports_it(
     spin_seen, recheck_seen = out.stdout.split()
     assert float(spin_seen) == expected
     assert int(recheck_seen) == (20 if spin else 5000)
+    # The line that shows it in the server's log (vLLM's logging is not set up yet at that import).
+    assert ("busy-poll held to 0.005 s, a sleeping reader's recheck to 20 ms" in out.stderr) is bool(spin)
