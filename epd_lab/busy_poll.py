@@ -27,6 +27,7 @@ import functools
 import inspect
 import os
 import sys
+from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -45,7 +46,7 @@ def _say(message: str, *args: object) -> None:
     print(message % args, file=sys.stderr, flush=True)
 
 
-def spin_seconds(environ: dict[str, str] | os._Environ[str] = os.environ) -> float | None:
+def spin_seconds(environ: Mapping[str, str] = os.environ) -> float | None:
     """The spin the environment asks for; None for vLLM's own (unset, empty, or not a number >= 0)."""
     text = environ.get(SPIN_ENV, "").strip()
     if not text:
