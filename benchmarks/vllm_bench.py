@@ -624,16 +624,13 @@ def lab_fronts(args: argparse.Namespace, root: Path) -> Iterator[tuple[list[Fron
             )
         _profiled(fronts, single, pd, plain, proxy)
         info["servers"] = {server.name: server.command()[2:] for server in servers}
+        log_texts = {server.name: server.log_path.read_text(errors="replace") for server in servers}
         info["plugin_loaded_in_api_servers"] = {
-            server.name: server.log_path.read_text(errors="replace").count("epd: encoder disaggregation over")
-            for server in servers
+            name: log.count("epd: encoder disaggregation over") for name, log in log_texts.items()
         }
         # One line from each process of a server that holds vLLM's busy-poll (epd_lab/busy_poll.py).
         info["busy_poll_held_in_processes"] = {
-            server.name: server.log_path.read_text(errors="replace").count(
-                "epd-lab: vLLM's shared-memory busy-poll held"
-            )
-            for server in servers
+            name: log.count("epd-lab: vLLM's shared-memory busy-poll held") for name, log in log_texts.items()
         }
         info["api_processes"] = {
             server.name: len(Role(server.name, server.process.pid, "api").pids())

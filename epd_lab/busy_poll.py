@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -47,7 +48,7 @@ def _say(message: str, *args: object) -> None:
 
 
 def spin_seconds(environ: Mapping[str, str] = os.environ) -> float | None:
-    """The spin the environment asks for; None for vLLM's own (unset, empty, or not a number >= 0)."""
+    """The spin the environment asks for; None for vLLM's own (unset, empty, or not a finite number >= 0)."""
     text = environ.get(SPIN_ENV, "").strip()
     if not text:
         return None
@@ -55,7 +56,7 @@ def spin_seconds(environ: Mapping[str, str] = os.environ) -> float | None:
         seconds = float(text)
     except ValueError:
         return None
-    return seconds if seconds >= 0 and seconds == seconds else None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def install() -> None:

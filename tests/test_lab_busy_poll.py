@@ -71,7 +71,7 @@ def test_a_vllm_without_the_spin_condition_or_its_parameter_is_left_as_it_is() -
 
 @pytest.mark.parametrize(
     ("value", "seconds"),
-    [("0.005", 0.005), (" 0 ", 0.0), ("", None), ("-1", None), ("nan", None), ("soon", None)],
+    [("0.005", 0.005), (" 0 ", 0.0), ("", None), ("-1", None), ("nan", None), ("inf", None), ("soon", None)],
 )
 def test_the_environment_names_the_spin_or_leaves_vllms(value: str, seconds: float | None) -> None:
     assert busy_poll.spin_seconds({busy_poll.SPIN_ENV: value}) == seconds
