@@ -34,6 +34,17 @@ process of each front's PD (the single instance's own, and the proxy's process t
 summarised by what the event loop's samples were doing (vLLM's chat preprocessing, media, tokenisation,
 output processing, the middleware's modules, HTTP) and by function; during that pass every other
 server process runs at nice 19, so that py-spy's GIL samples come close to CPU time.
+
+``--breakdown`` reads each server's own ``/metrics`` around every run (benchmarks.server_metrics): the
+mean of vLLM's per-request histograms (end to end, TTFT, queue, prefill, decode) on the encoder and on
+PD, and of the middleware's stages (its parse, the encode stage, each encoder call, the rewrite): where
+the client's TTFT went. In the lab every server is known; on a fleet, ``--encoder-url`` (the encoders
+behind both E + PD fronts) and ``--plain-pd-url`` (the proxy's PD) add theirs to the fronts' own.
+
+``--epd-variant NAME:EPD_VAR=VALUE[,...]`` (lab only, repeatable) adds a front ``epd-NAME``: another PD
+with the plugin over the same encoder, started with those options, to compare a setting of the
+middleware under vLLM's own client (``--epd-variant b1:EPD_MAX_BATCH_SIZE=1``: each image in a call of
+its own). ``--fronts`` names the fronts to start and run (default: all).
 """
 
 from __future__ import annotations
@@ -59,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from . import server_metrics
 
 
 def cpu_seconds(pid: int) -> float:
@@ -242,6 +255,43 @@ class Front:
     url: str
     roles: list[Role] = field(default_factory=list)
     profiled: dict[str, int] = field(default_factory=dict)  # what py-spy attaches to: label -> pid
+    # The servers whose /metrics say where a request's time went (--breakdown): label -> base URLs.
+    metrics: dict[str, list[str]] = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or FRONT_LABELS.get(self.name, self.name)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Another PD with the plugin over the same encoder, started with its own ``EPD_*`` options."""
+
+    name: str
+    env: dict[str, str]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, _, assignments = text.partition(":")
+        env = dict(pair.partition("=")[::2] for pair in assignments.split(",") if pair.strip())
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name) or not env:
+            raise argparse.ArgumentTypeError(f"{text!r}: a variant is NAME:EPD_VAR=VALUE[,EPD_VAR=VALUE]")
+        for variable in env:
+            if not variable.startswith("EPD_"):
+                raise argparse.ArgumentTypeError(f"{text!r}: {variable} is not an EPD_* option")
+        return cls(name, env)
+
+    @property
+    def front(self) -> str:
+        return f"epd-{self.name}"
+
+    @property
+    def text(self) -> str:
+        return self.name + ":" + ",".join(f"{key}={value}" for key, value in self.env.items())
+
+    @property
+    def label(self) -> str:
+        return "E + PD (epd, " + ", ".join(f"{key}={value}" for key, value in self.env.items()) + ")"
 
 
 # ------------------------------------------------------------------------------------------ the client
@@ -561,17 +611,28 @@ def lab_fronts(args: argparse.Namespace, root: Path) -> Iterator[tuple[list[Fron
     python, model = lab.prepared()
     storage, logs = root / "ec", root / "logs"
     storage.mkdir()
+    wanted = _wanted(args)
     encoder = lab.encoder_server(python, model, logs, storage)
-    single = lab.single_server(python, model, logs)
-    pd = lab.pd_server(python, model, logs, storage, [encoder.url])
-    servers = [single, encoder, pd]
+    single = lab.single_server(python, model, logs) if "single" in wanted else None
+    pd = lab.pd_server(python, model, logs, storage, [encoder.url]) if "epd" in wanted else None
+    variants = [
+        (
+            variant,
+            lab.pd_server(
+                python, model, logs, storage, [encoder.url], name=f"pd-{variant.name}", extra_env=variant.env
+            ),
+        )
+        for variant in args.epd_variant
+        if variant.front in wanted
+    ]
     plain = None
-    if args.proxy:
+    if args.proxy and "proxy" in wanted:
         # The same flags as the middleware's PD, without the plugin (via="none").
         plain = lab.pd_server(python, model, logs, storage, [encoder.url], via="none", name="pd-plain")
-        servers.append(plain)
+    pds = [server for server in (single, pd, *(pd_ for _, pd_ in variants), plain) if server is not None]
+    servers = [encoder, *pds]
     if args.api_server_count > 1:
-        for server in (single, pd, *([plain] if plain else [])):
+        for server in pds:
             server.args += ["--api-server-count", str(args.api_server_count)]
     proxy: subprocess.Popen[bytes] | None = None
     # The lab's environment (threads, vLLM's busy-poll held to EPD_LAB_VLLM_SPIN_S) goes with the figures.
@@ -583,10 +644,24 @@ def lab_fronts(args: argparse.Namespace, root: Path) -> Iterator[tuple[list[Fron
     }
     try:
         lab.start_all(servers, timeout=args.start_timeout)
-        fronts = [
-            Front("single", single.url, _server_roles("single", single)),
-            Front("epd", pd.url, [*_server_roles("PD", pd), *_server_roles("encoder", encoder)]),
-        ]
+        fronts = []
+        if single is not None:
+            fronts.append(
+                Front("single", single.url, _server_roles("single", single), metrics={"single": [single.url]})
+            )
+        with_plugin = [(variant.front, server, variant.label) for variant, server in variants]
+        if pd is not None:
+            with_plugin.insert(0, ("epd", pd, ""))
+        for name, server, label in with_plugin:
+            fronts.append(
+                Front(
+                    name,
+                    server.url,
+                    [*_server_roles("PD", server), *_server_roles("encoder", encoder)],
+                    metrics={"PD": [server.url], "encoder": [encoder.url]},
+                    label=label,
+                )
+            )
         if plain is not None:
             proxy_port = lab.free_port()
             proxy_log = (logs / "proxy.log").open("wb")
@@ -620,9 +695,10 @@ def lab_fronts(args: argparse.Namespace, root: Path) -> Iterator[tuple[list[Fron
                         *_server_roles("encoder", encoder),
                         Role("proxy", proxy.pid),
                     ],
+                    metrics={"plain PD": [plain.url], "encoder": [encoder.url]},
                 )
             )
-        _profiled(fronts, single, pd, plain, proxy)
+        _profiled(fronts, plain, proxy)
         info["servers"] = {server.name: server.command()[2:] for server in servers}
         log_texts = {server.name: server.log_path.read_text(errors="replace") for server in servers}
         info["plugin_loaded_in_api_servers"] = {
@@ -666,14 +742,29 @@ def _server_roles(label: str, server: Any) -> list[Role]:
     ]
 
 
-def _profiled(fronts: list[Front], single: Any, pd: Any, plain: Any, proxy: Any) -> None:
+def _profiled(fronts: list[Front], plain: Any, proxy: Any) -> None:
     """What py-spy attaches to: the API-server process of each front's PD (with one API server, the
-    ``vllm serve`` process itself), and the proxy's process."""
-    by_name = {front.name: front for front in fronts}
-    by_name["single"].profiled = {"single API server": single.process.pid}
-    by_name["epd"].profiled = {"PD API server": pd.process.pid}
-    if "proxy" in by_name:
-        by_name["proxy"].profiled = {"plain PD API server": plain.process.pid, "proxy": proxy.pid}
+    ``vllm serve`` process itself: the first role's leader), and the proxy's process."""
+    for front in fronts:
+        if front.name == "proxy":
+            front.profiled = {"plain PD API server": plain.process.pid, "proxy": proxy.pid}
+        else:
+            label = "single API server" if front.name == "single" else "PD API server"
+            front.profiled = {label: front.roles[0].leader}
+
+
+def _wanted(args: argparse.Namespace) -> set[str]:
+    """The fronts to start and run: --fronts, else every one the arguments make possible."""
+    possible = {"single", "epd", *(variant.front for variant in args.epd_variant)}
+    if args.proxy or args.proxy_url:
+        possible.add("proxy")
+    if not args.fronts:
+        return possible
+    named = {name.strip() for name in args.fronts.split(",") if name.strip()}
+    unknown = named - possible
+    if unknown:
+        raise SystemExit(f"--fronts: {', '.join(sorted(unknown))} not among {', '.join(sorted(possible))}")
+    return named
 
 
 def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
@@ -692,10 +783,29 @@ def _wait_http(url: str, process: subprocess.Popen[bytes], log: Path, timeout: f
 
 @contextlib.contextmanager
 def url_fronts(args: argparse.Namespace) -> Iterator[tuple[list[Front], dict[str, Any]]]:
-    fronts = [Front("single", args.single.rstrip("/")), Front("epd", args.epd.rstrip("/"))]
+    yield fleet_fronts(args), {"model": args.model, "tokenizer": args.tokenizer or args.model}
+
+
+def _urls(values: list[str]) -> list[str]:
+    return [url.strip().rstrip("/") for url in ",".join(values).split(",") if url.strip()]
+
+
+def fleet_fronts(args: argparse.Namespace) -> list[Front]:
+    """The fronts of a fleet that runs already, and the servers whose /metrics --breakdown reads: the
+    single instance, the PD pods (--pd-url, else the --epd URL itself), the encoders behind both E + PD
+    fronts, the proxy's PD pods where given. A counter read through a Service may come from any pod, so
+    the pods are named one by one and added up."""
+    encoders = {"encoder": _urls(args.encoder_url)} if args.encoder_url else {}
+    single, epd = args.single.rstrip("/"), args.epd.rstrip("/")
+    fronts = [
+        Front("single", single, metrics={"single": [single]}),
+        Front("epd", epd, metrics={"PD": _urls(args.pd_url) or [epd], **encoders}),
+    ]
     if args.proxy_url:
-        fronts.append(Front("proxy", args.proxy_url.rstrip("/")))
-    yield fronts, {"model": args.model, "tokenizer": args.tokenizer or args.model}
+        plain = {"plain PD": _urls(args.plain_pd_url)} if args.plain_pd_url else {}
+        fronts.append(Front("proxy", args.proxy_url.rstrip("/"), metrics={**plain, **encoders}))
+    wanted = _wanted(args)
+    return [front for front in fronts if front.name in wanted]
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -805,6 +915,7 @@ class Runner:
                 pin(everything, set(self.cores))
                 renice(self.others({}), 0)
 
+        breakdown = Breakdown(front.metrics) if self.args.breakdown else None
         started = time.monotonic()
         status, tail = run_client(command, self.env, self.args.run_timeout, on_start, on_end)
         path = self.work / name
@@ -814,6 +925,8 @@ class Runner:
             print(record["error"], file=sys.stderr, flush=True)
             return record
         record.update(read_result(path))
+        if breakdown is not None:
+            record.update(breakdown.finish())
         record["client_wall_s"] = round(time.monotonic() - started, 1)
         window = marks.get("t1", 0.0) - marks.get("t0", 0.0)
         record["window_s"] = round(window, 2)
@@ -856,6 +969,43 @@ class Runner:
         return record
 
 
+class Breakdown:
+    """The front's servers' /metrics read when a run starts, and again when it ended: each latency
+    histogram's mean over the run, per server (benchmarks.server_metrics)."""
+
+    def __init__(self, servers: dict[str, list[str]]) -> None:
+        self.servers = servers
+        self.before: dict[str, server_metrics.Snapshot] = {}
+        self.errors: list[str] = []
+        for label, urls in servers.items():
+            snapshot = self._scrape(label, urls)
+            if snapshot is not None:
+                self.before[label] = snapshot
+
+    def _scrape(self, label: str, urls: list[str]) -> server_metrics.Snapshot | None:
+        try:
+            return server_metrics.scrape(urls)
+        except httpx.HTTPError as error:
+            # A server without /metrics (a proxy, a fleet's gateway) takes nothing from the run itself.
+            self.errors.append(f"{label}: {type(error).__name__}: {error}")
+            return None
+
+    def finish(self) -> dict[str, Any]:
+        figures: dict[str, dict[str, float]] = {}
+        counts: dict[str, dict[str, float]] = {}
+        for label, before in self.before.items():
+            after = self._scrape(label, self.servers[label])
+            if after is None:
+                continue
+            means = server_metrics.means_ms(before, after)
+            figures[label] = {name: mean["ms"] for name, mean in means.items()}
+            counts[label] = {name: mean["count"] for name, mean in means.items()}
+        out: dict[str, Any] = {"breakdown_ms": figures, "breakdown_counts": counts}
+        if self.errors:
+            out["breakdown_errors"] = self.errors
+        return out
+
+
 def rotate(items: list[Front], by: int) -> list[Front]:
     by %= len(items)
     return items[by:] + items[:by]
@@ -887,12 +1037,32 @@ def summarise(runs: list[dict[str, Any]], fronts: list[str], points: list[str]) 
                 entry["cpu_ms_per_request"] = {
                     role: round(statistics.median(row[role] for row in cpu), 2) for role in cpu[0]
                 }
+            breakdown = median_breakdown([run["breakdown_ms"] for run in mine if "breakdown_ms" in run])
+            if breakdown:
+                entry["breakdown_ms"] = breakdown
             summary[point][front] = entry
         if "epd" in summary[point] and "proxy" in summary[point]:
             summary[point]["epd_vs_proxy"] = _versus(runs, point, "epd", "proxy")
         if "epd" in summary[point] and "single" in summary[point]:
             summary[point]["epd_vs_single"] = _versus(runs, point, "epd", "single")
+        for front in fronts:
+            if front.startswith("epd-") and front in summary[point]:
+                for other in ("epd", "proxy"):
+                    if other in summary[point]:
+                        summary[point][f"{front}_vs_{other}"] = _versus(runs, point, front, other)
     return summary
+
+
+def median_breakdown(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per server and measure, the median over the runs that have it."""
+    out: dict[str, dict[str, float]] = {}
+    for server in dict.fromkeys(label for run in runs for label in run):
+        names = dict.fromkeys(name for run in runs for name in run.get(server, {}))
+        having = [run[server] for run in runs if server in run]
+        out[server] = {
+            name: round(statistics.median(run[name] for run in having if name in run), 2) for name in names
+        }
+    return out
 
 
 def _versus(runs: list[dict[str, Any]], point: str, ours: str, theirs: str) -> dict[str, Any]:
@@ -941,7 +1111,13 @@ def noise(runs: list[dict[str, Any]], repeat: Point | None) -> dict[str, Any]:
     return out
 
 
-def markdown(summary: dict[str, Any], fronts: list[str], noise_: dict[str, Any]) -> str:
+def markdown(
+    summary: dict[str, Any],
+    fronts: list[str],
+    noise_: dict[str, Any],
+    labels: dict[str, str] | None = None,
+) -> str:
+    labels = {**FRONT_LABELS, **(labels or {})}
     header = "| point | front | " + " | ".join(label for _, label in METRICS) + " | failed | req/s by round |"
     lines = [header, "|" + "---|" * (len(METRICS) + 4)]
     for point, row in summary.items():
@@ -954,17 +1130,20 @@ def markdown(summary: dict[str, Any], fronts: list[str], noise_: dict[str, Any])
                 for key, _ in METRICS
             )
             by_round = ", ".join(f"{value:.2f}" for value in entry["request_throughput_by_round"])
-            lines.append(f"| {point} | {FRONT_LABELS[front]} | {values} | {entry['failed']} | {by_round} |")
+            lines.append(f"| {point} | {labels[front]} | {values} | {entry['failed']} | {by_round} |")
     lines.append("")
     lines.append(
         "Latencies in ms, vLLM's own (`vllm bench serve`), median over rounds; req/s by round in run order."
     )
     for point, row in summary.items():
-        versus = row.get("epd_vs_proxy")
-        if versus:
+        for key, versus in row.items():
+            if not key.endswith(("_vs_proxy", "_vs_epd")):
+                continue
+            ours, theirs = key.split("_vs_")
             lines.append(
-                f"- {point}: epd ahead of the proxy in throughput in {versus['throughput_ahead']} of "
-                f"{versus['rounds']} rounds, in TTFT p50 in {versus['ttft_p50_ahead']} of {versus['rounds']}"
+                f"- {point}: {ours} ahead of {'the ' if theirs == 'proxy' else ''}{theirs} in throughput in "
+                f"{versus['throughput_ahead']} of {versus['rounds']} rounds, in TTFT p50 in "
+                f"{versus['ttft_p50_ahead']} of {versus['rounds']}"
             )
     for key, entry in noise_.items():
         lines.append(
@@ -986,11 +1165,47 @@ def markdown(summary: dict[str, Any], fronts: list[str], noise_: dict[str, Any])
         ]
         for point, front, cpu in cpu_rows:
             parts = ", ".join(f"{role} {value:.1f}" for role, value in cpu.items())
-            lines.append(f"| {point} | {FRONT_LABELS[front]} | {parts} |")
+            lines.append(f"| {point} | {labels[front]} | {parts} |")
+    lines += breakdown_markdown(summary, fronts, labels)
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], fronts: list[str], path: Path, note: str = "") -> None:
+def breakdown_markdown(summary: dict[str, Any], fronts: list[str], labels: dict[str, str]) -> list[str]:
+    """Where the time went, per point, front and server: each measure's mean over a run, in ms."""
+    rows = [
+        (point, front, server, figures)
+        for point, row in summary.items()
+        for front in fronts
+        for server, figures in row.get(front, {}).get("breakdown_ms", {}).items()
+    ]
+    if not rows:
+        return []
+    names = [name for _, _, name in server_metrics.MEASURES]
+    shown = [name for name in names if any(name in figures for *_, figures in rows)]
+    lines = [
+        "",
+        "| point | front | server | " + " | ".join(shown) + " |",
+        "|" + "---|" * (len(shown) + 3),
+    ]
+    for point, front, server, figures in rows:
+        values = " | ".join(f"{figures[name]:.1f}" if name in figures else "" for name in shown)
+        lines.append(f"| {point} | {labels[front]} | {server} | {values} |")
+    lines.append("")
+    lines.append(
+        "Means per request over each run, in ms, from the servers' own /metrics (median over rounds); "
+        "epd encode is the middleware's whole encode stage, epd encoder call one call to an encoder."
+    )
+    return lines
+
+
+def plot(
+    summary: dict[str, Any],
+    fronts: list[str],
+    path: Path,
+    note: str = "",
+    labels: dict[str, str] | None = None,
+) -> None:
+    labels = {**FRONT_LABELS, **(labels or {})}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1006,7 +1221,7 @@ def plot(summary: dict[str, Any], fronts: list[str], path: Path, note: str = "")
             (axes[1], "median_ttft_ms", "median_ttft_ms_by_round"),
         ):
             heights = [summary[point].get(front, {}).get(key, 0.0) for point in points]
-            axis.bar(xs, heights, width, label=FRONT_LABELS[front])
+            axis.bar(xs, heights, width, label=labels[front])
             for x, point in zip(xs, points, strict=True):
                 values = summary[point].get(front, {}).get(by_round, [])
                 axis.plot([x] * len(values), values, "k.", markersize=4)
@@ -1085,6 +1300,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tokenizer", help="the client's tokenizer (default: the model; lab: the tiny model's path)"
     )
     where.add_argument("--vllm", help="the vllm command (default: the lab's vLLM environment's, or `vllm`)")
+    where.add_argument(
+        "--fronts", default="", help="single,epd,proxy,epd-NAME: the fronts to start and run (default all)"
+    )
+    where.add_argument(
+        "--epd-variant",
+        type=Variant.parse,
+        action="append",
+        default=[],
+        metavar="NAME:EPD_VAR=VALUE[,...]",
+        help="lab: another PD with the plugin and these options, as front epd-NAME (repeatable)",
+    )
+    for flag, whose in (
+        ("--pd-url", "the middleware's PD pods (default: the --epd URL)"),
+        ("--encoder-url", "the encoders"),
+        ("--plain-pd-url", "the proxy's PD pods"),
+    ):
+        where.add_argument(
+            flag,
+            action="append",
+            default=[],
+            help=f"fleet mode, --breakdown: {whose} (URLs, comma-separated or repeated)",
+        )
     work = parser.add_argument_group("workload")
     work.add_argument(
         "--points", default=DEFAULT_POINTS, help=f"cN:IMAGESxSIZE,... (default {DEFAULT_POINTS})"
@@ -1102,6 +1339,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     work.add_argument(
         "--warmup-prompts", type=int, default=8, help="per front and image shape, at the start (0: none)"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="each server's /metrics around every run: where the time went (lab and fleet)",
     )
     measure = parser.add_argument_group("measurement (lab only)")
     measure.add_argument(
@@ -1143,8 +1385,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.single or args.epd:
         if not (args.single and args.epd and args.model):
             parser.error("fleet mode needs --single, --epd and --model")
-        if args.proxy or args.cpu or args.profile or args.api_server_count > 1:
-            parser.error("--proxy, --cpu, --profile and --api-server-count start lab servers: not with URLs")
+        if args.proxy or args.cpu or args.profile or args.api_server_count > 1 or args.epd_variant:
+            parser.error(
+                "--proxy, --cpu, --profile, --api-server-count and --epd-variant start lab servers: "
+                "not with URLs"
+            )
+    elif args.pd_url or args.encoder_url or args.plain_pd_url:
+        parser.error(
+            "--pd-url, --encoder-url and --plain-pd-url name a fleet's servers: with --single and --epd"
+        )
+    names = [variant.name for variant in args.epd_variant]
+    if len(set(names)) != len(names):
+        parser.error("--epd-variant: each variant needs a name of its own")
         args.vllm = args.vllm or "vllm"
     return args
 
@@ -1199,9 +1451,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         profiles[f"{front.name}: {label} (run)"] = record
             idle = runner.idle
     names = [front.name for front in fronts]
+    labels = {front.name: front.label for front in fronts}
     summary = summarise(runs, names, [point.key for point in round_points])
     noise_ = noise(runs, repeat)
-    table = markdown(summary, names, noise_)
+    table = markdown(summary, names, noise_, labels)
     kept_profiles = {name: value for name, value in profiles.items() if not name.endswith("(run)")}
     result = {
         "what": __doc__.split("\n\n")[0] if __doc__ else "",
@@ -1214,9 +1467,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(began)),
         "wall_s": round(time.time() - began, 1),
         "cores": os.cpu_count(),
-        "args": vars(args),
+        "args": {**vars(args), "epd_variant": [variant.text for variant in args.epd_variant]},
         "info": info,
         "fronts": {front.name: front.url for front in fronts},
+        "front_labels": labels,
+        "metrics_servers": {front.name: front.metrics for front in fronts} if args.breakdown else {},
         "points": [point.key for point in round_points],
         "idle_cpu_rate": {role: round(rate, 4) for role, rate in idle.items()},
         "summary": summary,
@@ -1235,7 +1490,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if runs:  # a profile pass alone has no table to plot
         with contextlib.suppress(ImportError):  # matplotlib: the bench extra
             note = f", --api-server-count {args.api_server_count}" if args.api_server_count > 1 else ""
-            plot(summary, names, out.with_suffix(".png"), note)
+            plot(summary, names, out.with_suffix(".png"), note, labels)
     print(text, flush=True)
     return result
 
