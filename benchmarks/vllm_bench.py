@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -1066,19 +1067,59 @@ def median_breakdown(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[
 
 
 def _versus(runs: list[dict[str, Any]], point: str, ours: str, theirs: str) -> dict[str, Any]:
-    """In how many rounds ``ours`` had the higher throughput, and the lower TTFT p50."""
+    """``ours`` against ``theirs`` round by round (each round's two runs are a pair): in how many rounds
+    it had the higher throughput and the lower TTFT p50, and, from the pairs, the median throughput
+    ratio and the median TTFT p50 difference with a 95% interval (``paired``)."""
     pairs: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
     for run in runs:
         if run["point"] == point and run["front"] in (ours, theirs) and "error" not in run:
             pairs[run["tag"]][run["front"]] = run
     both = [pair for pair in pairs.values() if len(pair) == 2]
-    return {
+    out: dict[str, Any] = {
         "rounds": len(both),
         "throughput_ahead": sum(
             pair[ours]["request_throughput"] > pair[theirs]["request_throughput"] for pair in both
         ),
         "ttft_p50_ahead": sum(pair[ours]["median_ttft_ms"] < pair[theirs]["median_ttft_ms"] for pair in both),
     }
+    if both:
+        out["throughput_ratio"] = paired(
+            [pair[ours]["request_throughput"] / pair[theirs]["request_throughput"] for pair in both], 1.0
+        )
+        out["ttft_p50_difference_ms"] = paired(
+            [pair[ours]["median_ttft_ms"] - pair[theirs]["median_ttft_ms"] for pair in both], 0.0
+        )
+    return out
+
+
+def paired(values: list[float], even: float) -> dict[str, Any]:
+    """The median of per-round figures (a ratio, or a difference), a distribution-free 95% interval for
+    it, and the two-sided sign test's p against ``even`` (1 for a ratio, 0 for a difference).
+
+    The interval is between order statistics of the figures (the binomial's quantiles: no assumption on
+    their distribution, which on this lab is skewed by the odd slow round); with fewer than 6 rounds none
+    exists at 95%, and it is None. The sign test asks only how often a front was ahead: its p is the
+    chance of a split at least this uneven if neither front were ahead more often than the other."""
+    ordered = sorted(values)
+    n = len(ordered)
+    # The widest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5%: [x_(k), x_(n - k + 1)] holds the median.
+    k = 0
+    while k < n // 2 and _binomial_cdf(k, n) <= 0.025:
+        k += 1
+    above = sum(value > even for value in ordered)
+    below = sum(value < even for value in ordered)
+    decided = above + below
+    tail = _binomial_cdf(min(above, below), decided) if decided else 1.0
+    return {
+        "median": round(statistics.median(ordered), 4),
+        "ci95": [round(ordered[k - 1], 4), round(ordered[n - k], 4)] if k else None,
+        "sign_test_p": round(min(1.0, 2 * tail), 4),
+    }
+
+
+def _binomial_cdf(k: int, n: int) -> float:
+    """P(Binomial(n, 1/2) <= k)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / (1 << n)
 
 
 def noise(runs: list[dict[str, Any]], repeat: Point | None) -> dict[str, Any]:
@@ -1140,11 +1181,20 @@ def markdown(
             if not key.endswith(("_vs_proxy", "_vs_epd")):
                 continue
             ours, theirs = key.split("_vs_")
-            lines.append(
+            line = (
                 f"- {point}: {ours} ahead of {'the ' if theirs == 'proxy' else ''}{theirs} in throughput in "
                 f"{versus['throughput_ahead']} of {versus['rounds']} rounds, in TTFT p50 in "
                 f"{versus['ttft_p50_ahead']} of {versus['rounds']}"
             )
+            if "throughput_ratio" in versus:
+                ratio, difference = versus["throughput_ratio"], versus["ttft_p50_difference_ms"]
+                line += (
+                    f"; per round, throughput ratio {ratio['median']:.3f}{_interval(ratio, '.3f')} "
+                    f"(sign test p {ratio['sign_test_p']:.2f}), TTFT p50 difference "
+                    f"{difference['median']:+.1f} ms{_interval(difference, '+.1f')} "
+                    f"(p {difference['sign_test_p']:.2f})"
+                )
+            lines.append(line)
     for key, entry in noise_.items():
         lines.append(
             f"- noise ({key}, repeated point against the original, same front and round): median "
@@ -1168,6 +1218,11 @@ def markdown(
             lines.append(f"| {point} | {labels[front]} | {parts} |")
     lines += breakdown_markdown(summary, fronts, labels)
     return "\n".join(lines)
+
+
+def _interval(figure: dict[str, Any], spec: str) -> str:
+    low_high = figure.get("ci95")
+    return f" [95%: {low_high[0]:{spec}} to {low_high[1]:{spec}}]" if low_high else ""
 
 
 def breakdown_markdown(summary: dict[str, Any], fronts: list[str], labels: dict[str, str]) -> list[str]:

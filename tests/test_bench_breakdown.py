@@ -251,8 +251,13 @@ class TestReport:
         ]
         summary = vllm_bench.summarise(runs, ["epd", "epd-b1", "proxy"], ["c1:4x224"])
         row = summary["c1:4x224"]
-        assert row["epd-b1_vs_epd"] == {"rounds": 2, "throughput_ahead": 1, "ttft_p50_ahead": 1}
-        assert row["epd-b1_vs_proxy"] == {"rounds": 2, "throughput_ahead": 1, "ttft_p50_ahead": 1}
+        assert row["epd-b1_vs_epd"]["rounds"] == 2
+        assert row["epd-b1_vs_epd"]["throughput_ahead"] == 1
+        assert row["epd-b1_vs_epd"]["ttft_p50_ahead"] == 1
+        assert row["epd-b1_vs_proxy"]["throughput_ahead"] == 1
+        assert row["epd-b1_vs_proxy"]["ttft_p50_ahead"] == 1
+        # 5 ms slower in the first round, 2 ms faster in the second: the median of the two.
+        assert row["epd-b1_vs_epd"]["ttft_p50_difference_ms"]["median"] == pytest.approx(1.5)
         # Medians per server and measure, over the runs that have the measure.
         assert row["epd"]["breakdown_ms"] == {
             "PD": {"TTFT": 17.0, "epd encode": 36.0},
@@ -263,3 +268,29 @@ class TestReport:
         assert "| c1:4x224 | E + PD (epd, EPD_MAX_BATCH_SIZE=1) | encoder | 29.5 |" in table
         assert "| c1:4x224 | E + PD (epd) | PD |  | 17.0 | 36.0 |" in table
         assert "epd-b1 ahead of epd in throughput in 1 of 2 rounds" in table
+
+
+class TestPaired:
+    def test_the_interval_is_between_order_statistics_of_the_rounds(self) -> None:
+        # n = 30: the 95% interval of a median runs from the 10th to the 21st smallest (binomial tables).
+        figure = vllm_bench.paired([float(value) for value in range(1, 31)], 0.0)
+        assert figure["median"] == 15.5
+        assert figure["ci95"] == [10.0, 21.0]
+        # n = 10: from the 2nd to the 9th.
+        assert vllm_bench.paired([float(value) for value in range(10)], 100.0)["ci95"] == [1.0, 8.0]
+
+    def test_too_few_rounds_for_an_interval_say_so(self) -> None:
+        assert vllm_bench.paired([1.0, 2.0, 3.0, 4.0, 5.0], 0.0)["ci95"] is None
+        assert vllm_bench.paired([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 0.0)["ci95"] == [1.0, 6.0]
+
+    def test_the_sign_test_counts_rounds_ahead_and_leaves_ties_out(self) -> None:
+        # 9 of 10 decided rounds one way: p = 2 * 11/1024; two ties do not count.
+        figure = vllm_bench.paired([-1.0] * 9 + [1.0] + [0.0, 0.0], 0.0)
+        assert figure["sign_test_p"] == pytest.approx(2 * 11 / 1024, abs=1e-4)
+        # Evenly split: nothing to tell.
+        assert vllm_bench.paired([-1.0, 1.0] * 5, 0.0)["sign_test_p"] == 1.0
+
+    def test_a_ratio_is_tested_against_one(self) -> None:
+        figure = vllm_bench.paired([1.05, 1.02, 0.99, 1.04, 1.03, 1.06, 1.01, 1.02], 1.0)
+        assert figure["median"] == pytest.approx(1.025)
+        assert figure["sign_test_p"] == pytest.approx(2 * 9 / 256, abs=1e-4)
