@@ -38,8 +38,10 @@ server process runs at nice 19, so that py-spy's GIL samples come close to CPU t
 ``--breakdown`` reads each server's own ``/metrics`` around every run (benchmarks.server_metrics): the
 mean of vLLM's per-request histograms (end to end, TTFT, queue, prefill, decode) on the encoder and on
 PD, and of the middleware's stages (its parse, the encode stage, each encoder call, the rewrite): where
-the client's TTFT went. In the lab every server is known; on a fleet, ``--encoder-url`` (the encoders
-behind both E + PD fronts) and ``--plain-pd-url`` (the proxy's PD) add theirs to the fronts' own.
+the client's TTFT went. In the lab every server is known; on a fleet, ``--pd-url`` (the middleware's PD
+pods, where ``--epd`` is a Service), ``--encoder-url`` (the encoders behind both E + PD fronts) and
+``--plain-pd-url`` (the proxy's PD pods) name them. Every comparison of two fronts also gives, from the
+rounds' pairs, the median throughput ratio and TTFT p50 difference with a 95% interval (``paired``).
 
 ``--epd-variant NAME:EPD_VAR=VALUE[,...]`` (lab only, repeatable) adds a front ``epd-NAME``: another PD
 with the plugin over the same encoder, started with those options, to compare a setting of the
@@ -1102,7 +1104,8 @@ def paired(values: list[float], even: float) -> dict[str, Any]:
     chance of a split at least this uneven if neither front were ahead more often than the other."""
     ordered = sorted(values)
     n = len(ordered)
-    # The widest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5%: [x_(k), x_(n - k + 1)] holds the median.
+    # The largest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5%: [x_(k), x_(n - k + 1)] holds the median
+    # with at least 95% (the narrowest such interval between order statistics).
     k = 0
     while k < n // 2 and _binomial_cdf(k, n) <= 0.025:
         k += 1
