@@ -12,6 +12,8 @@ against the floor). Variants, interleaved in rotating order in every round:
 
 - direct: the floor (the load generator calls the encoder, then sends the engine the rewritten body);
 - relay: the least an in-engine design can do (receive, relay to the encoder unchanged, run the engine);
+- checked: the relay plus the checks and the hash no design may drop (every long string checked as JSON
+  text, each hashed with BLAKE3): the floor of an in-engine design that does what the middleware must;
 - epd: this checkout's middleware in the engine process;
 - before: with ``--baseline``, the middleware of another checkout (``git worktree add /tmp/before main``)
   in an engine process of its own, beside this one in the same rounds;
@@ -50,9 +52,10 @@ async def run(baseline: Path | None, rounds: int, scale: float) -> dict[str, Any
         engine = rig.start("engine")
         epd = rig.start("engine+epd", encoder)
         relay = rig.start("engine+relay", encoder)
+        checked = rig.start("engine+checked", encoder)
         proxy = rig.start("proxy", engine, encoder)
         before = rig.start("engine+epd", encoder, cwd=baseline) if baseline else None
-        for url in (engine, epd, relay, proxy, *([before] if before else [])):
+        for url in (engine, epd, relay, checked, proxy, *([before] if before else [])):
             await rig.wait(url)
         setup = HTTPClient(connect_timeout=5)
         cases = [
@@ -68,6 +71,7 @@ async def run(baseline: Path | None, rounds: int, scale: float) -> dict[str, Any
             out = {
                 "direct": direct(encoder, engine, case),
                 "relay": poster(relay, case.encoder_body),
+                "checked": poster(checked, case.encoder_body),
                 "epd": poster(epd, case.body),
                 "proxy": poster(proxy, case.body),
             }
@@ -89,7 +93,7 @@ async def run(baseline: Path | None, rounds: int, scale: float) -> dict[str, Any
 
 def table(results: dict[str, Any]) -> str:
     """The markdown table: per body, c1 added p50 over the floor and c16 throughput against it."""
-    names = [name for name in ("epd", "before", "relay", "proxy") if name in results["c1 1 image"]]
+    names = [name for name in ("epd", "before", "relay", "checked", "proxy") if name in results["c1 1 image"]]
     head = "| body | target | " + " | ".join(f"c1 {n} / c16 {n}" for n in names) + " |"
     lines = [head, "|" + "---|" * (2 + len(names))]
     for body, target in TARGETS.items():
@@ -108,7 +112,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [name for name in ("before", "epd", "relay", "proxy") if name in results["c1 1 image"]]
+    names = [name for name in ("before", "epd", "relay", "checked", "proxy") if name in results["c1 1 image"]]
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for axis, (key, field, label) in zip(
         axes,

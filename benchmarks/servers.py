@@ -4,6 +4,7 @@
     python -m benchmarks.servers engine+epd PORT ENCODER_URL[,ENCODER_URL...]
     python -m benchmarks.servers proxy PORT ENGINE_URL ENCODER_URL[,...]
     python -m benchmarks.servers engine+relay PORT ENCODER_URL
+    python -m benchmarks.servers engine+checked PORT ENCODER_URL
 
 ``engine`` stands for vLLM's API server at its cheapest: it reads the body and answers a small JSON.
 ``engine+epd`` is the same app with EPDMiddleware inside it (the in-process architecture); ``proxy`` is a
@@ -12,7 +13,10 @@ the rewritten request to the engine over one more HTTP round trip), which is how
 ``engine+relay`` is the least any design inside the engine process can do: it receives the body, relays
 it unchanged to the encoder (the load generator sends it the encoder's request), and runs the engine app
 on the same bytes once the encoder answered. No parsing, hashing or rewriting: what it costs over the
-direct floor is the price of the architecture, not of an implementation of it.
+direct floor is the price of the architecture, not of an implementation of it. ``engine+checked`` is the
+relay plus what no design may leave out: the body parsed with every long string checked as JSON text
+where it lies (the package's ``_rawjson.decode``) and each long string hashed (BLAKE3, the content uuid
+both sides must agree on). What the middleware costs over it is its pipeline, not its checks.
 All run under uvicorn with uvloop and httptools, as vLLM does.
 """
 
@@ -22,11 +26,14 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
+import blake3
+import msgspec
 import uvicorn
 
-from epd_middleware import EPDMiddleware
+from epd_middleware import EPDMiddleware, _rawjson
 from epd_middleware._http import HTTPClient
 
 ANSWER = (
@@ -98,7 +105,7 @@ def forwarder(engine_url: str) -> Any:
     return app
 
 
-def relay(encoder_url: str) -> Any:
+def relay(encoder_url: str, checked: bool = False) -> Any:
     client = HTTPClient(connect_timeout=5)
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -106,6 +113,9 @@ def relay(encoder_url: str) -> Any:
             await engine(scope, receive, send)
             return
         body = await read_body(receive)
+        if checked and body:  # the rig's readiness probe is a GET without one
+            for raw in _raws(_rawjson.decode(body)):
+                blake3.blake3(raw).digest(length=16)
         status, _ = await client.request(
             "POST", encoder_url + scope["path"], body, {"content-type": "application/json"}
         )
@@ -124,6 +134,18 @@ def relay(encoder_url: str) -> Any:
     return app
 
 
+def _raws(value: Any) -> Iterator[msgspec.Raw]:
+    """The long strings of a decoded body (``msgspec.Raw``), wherever they are."""
+    if isinstance(value, msgspec.Raw):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _raws(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _raws(item)
+
+
 def main() -> None:
     role, port = sys.argv[1], int(sys.argv[2])
     options = {"health_check_interval": 0, "max_body_bytes": 256 * 1024 * 1024, "max_media_items": 256}
@@ -135,6 +157,8 @@ def main() -> None:
         app = EPDMiddleware(engine, encoders=sys.argv[3].split(","), **options)
     elif role == "engine+relay":
         app = relay(sys.argv[3])
+    elif role == "engine+checked":
+        app = relay(sys.argv[3], checked=True)
     elif role == "proxy":
         app = EPDMiddleware(forwarder(sys.argv[3]), encoders=sys.argv[4].split(","), **options)
     else:
