@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -43,10 +44,27 @@ BASE_ENV = {
 }
 
 
+# Every port free_port has handed out in this process.
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that is free now and that this process has not handed out before.
+
+    The port is bound later by whoever gets it (a vLLM server seconds later, after its imports), and
+    until then the kernel may offer it again: the e2e suite once gave its OTLP receiver and a PD the same
+    port, and the PD failed to start with "Address already in use" (the receiver bound it first), which
+    took the whole suite's deployment down."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(1000):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise RuntimeError("no loopback port left that this process has not handed out already")
 
 
 def find_vllm_python() -> str | None:
