@@ -53,10 +53,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from epd_lab import servers as lab
 
+from . import server_metrics
 from .cpu_per_request import cpu_of, machine_busy
 
 TEXT_ARGS = ["--dataset-name", "random"]
@@ -219,22 +218,6 @@ def read_profile(raw: Path) -> dict[str, Any]:
     }
 
 
-ENGINE_METRICS = ("vllm:inter_token_latency_seconds", "vllm:request_decode_time_seconds")
-
-
-def engine_metrics(url: str) -> dict[str, float]:
-    """Sums and counts of vLLM's own histograms, which the engine times (not the client): summed over
-    label sets, from the server's /metrics."""
-    found: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        for name in ENGINE_METRICS:
-            for suffix in ("_sum", "_count"):
-                if line.startswith(f"{name}{suffix}"):
-                    key = name + suffix
-                    found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
-
-
 def bench(
     vllm_bin: Path, model: Path, url: str, case: str, prompts: int, out: Path, seed: int
 ) -> dict[str, Any]:
@@ -304,14 +287,14 @@ def measure(
         for role in ("engine", "worker"):
             spies.append(py_spy(pids[target][role], profile.with_name(f"{profile.name}-{role}.raw")))
         states.__enter__()
-    metrics0 = engine_metrics(servers[target].url)
+    # vLLM's own histograms, which the engine times (not the client).
+    metrics0 = server_metrics.scrape([servers[target].url], timeout=30)
     client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy0, total0 = machine_busy()
     result = bench(vllm_bin, model, servers[target].url, case, prompts, out, seed)
     busy1, total1 = machine_busy()
     client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    metrics1 = engine_metrics(servers[target].url)
-    delta = {key: metrics1.get(key, 0.0) - metrics0.get(key, 0.0) for key in metrics1}
+    engine_means = server_metrics.means_ms(metrics0, server_metrics.scrape([servers[target].url], timeout=30))
     after = {(name, role): cpu_of(pid) for name, roles in pids.items() for role, pid in roles.items()}
     threads1 = {role: thread_cpu(pid) for role, pid in pids[target].items()}
     for spy in spies:
@@ -345,9 +328,7 @@ def measure(
         "itl_stall_share": sum(x for x in itls if x > 0.020) / max(sum(itls), 1e-9),
         # The engine's own view of the same decode: if it is steady while the client's ITL has gaps, the
         # gaps are between the engine and the client (API server, client, scheduling of either).
-        "engine_itl_mean_ms": 1000
-        * delta.get("vllm:inter_token_latency_seconds_sum", 0.0)
-        / max(delta.get("vllm:inter_token_latency_seconds_count", 0.0), 1.0),
+        "engine_itl_mean_ms": engine_means.get("ITL", {}).get("ms", 0.0),
         "duration_s": result["duration"],
         # The load generator's own CPU (vllm bench serve, and py-spy when profiling), per output token.
         "client_cpu_ms_per_token": round(

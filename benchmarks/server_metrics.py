@@ -1,9 +1,10 @@
 """Where a request's time goes, from the servers' own ``/metrics``: the mean of each latency histogram
 over one benchmark run (the change in its ``_sum`` over the change in its ``_count``).
 
-vLLM's per-request histograms (end to end, time to first token, queue, prefill, decode) tell an
-encoder's share from PD's, and a PD's queue from its prefill; the middleware's stage histograms (the
-parse, the encode stage as a whole, each encoder call, the rewrite) tell its share of PD's wait. Read
+vLLM's per-request histograms (end to end, time to first token, queue, prefill, decode; and its
+inter-token latency, per token) tell an encoder's share from PD's, and a PD's queue from its prefill;
+the middleware's stage histograms (the parse, the encode stage as a whole, each encoder call, the
+rewrite) tell its share of PD's wait. Read
 around a run of ``vllm bench serve`` on each server of a front, they say where the client's TTFT went,
 which no client-side figure can: two fronts with the same TTFT may differ in what the encoder took and
 what the front took around it.
@@ -30,6 +31,7 @@ MEASURES: tuple[tuple[str, tuple[str, str] | None, str], ...] = (
     ("vllm:request_queue_time_seconds", None, "queue"),
     ("vllm:request_prefill_time_seconds", None, "prefill"),
     ("vllm:request_decode_time_seconds", None, "decode"),
+    ("vllm:inter_token_latency_seconds", None, "ITL"),
     ("epd_stage_duration_seconds", ("stage", "parse"), "epd parse"),
     ("epd_stage_duration_seconds", ("stage", "encode"), "epd encode"),
     ("epd_encoder_call_duration_seconds", None, "epd encoder call"),

@@ -50,6 +50,12 @@ class TestParse:
         snapshot = server_metrics.parse(exposition({"vllm:time_to_first_token_seconds": [0.02]}))
         assert set(snapshot) == {"TTFT"}
 
+    def test_the_engines_inter_token_latency_is_read_per_token(self) -> None:
+        # benchmarks.pd_decode's engine-side ITL: vLLM observes one value per output token.
+        snapshot = server_metrics.parse(exposition({"vllm:inter_token_latency_seconds": [0.002] * 15}))
+        assert snapshot["ITL"].seconds == pytest.approx(0.03)
+        assert snapshot["ITL"].observations == 15
+
     def test_other_metrics_are_ignored(self) -> None:
         text = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3.0\n"
         assert server_metrics.parse(text) == {}
