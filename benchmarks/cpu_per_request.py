@@ -57,17 +57,21 @@ async def main(rounds: int, baseline: Path | None, scale: int) -> None:
         encoder, engine = rig.start("encoder"), rig.start("engine")
         epd = rig.start("engine+epd", encoder)
         relay = rig.start("engine+relay", encoder)
+        checked = rig.start("engine+checked", encoder)
+        rewrite = rig.start("engine+rewrite", encoder)
         older = rig.start("engine+epd", encoder, cwd=baseline) if baseline else None
-        for url in (engine, epd, relay, *([older] if older else [])):
+        for url in (engine, epd, relay, checked, rewrite, *([older] if older else [])):
             await rig.wait(url)
         pids = {
             "encoder": rig.procs[0].pid,
             "engine": rig.procs[1].pid,
             "engine+epd": rig.procs[2].pid,
             "engine+relay": rig.procs[3].pid,
+            "engine+checked": rig.procs[4].pid,
+            "engine+rewrite": rig.procs[5].pid,
         }
         if older:
-            pids["engine+epd before"] = rig.procs[4].pid
+            pids["engine+epd before"] = rig.procs[6].pid
         client = HTTPClient(connect_timeout=5)
         print(f"{'body':9} {'path':7} {'req/s':>6}  CPU ms per request by process")
         for images in (1, 8):
@@ -79,6 +83,8 @@ async def main(rounds: int, baseline: Path | None, scale: int) -> None:
                 "direct": direct(encoder, engine, case),
                 "epd": poster(epd, case.body),
                 "relay": poster(relay, case.encoder_body),
+                "checked": poster(checked, case.encoder_body),
+                "rewrite": poster(rewrite, case.body),
             }
             if older:
                 paths["before"] = poster(older, case.body)

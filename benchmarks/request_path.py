@@ -14,6 +14,9 @@ against the floor). Variants, interleaved in rotating order in every round:
 - relay: the least an in-engine design can do (receive, relay to the encoder unchanged, run the engine);
 - checked: the relay plus the checks and the hash no design may drop (every long string checked as JSON
   text, each hashed with BLAKE3): the floor of an in-engine design that does what the middleware must;
+- rewrite: the checked relay's work plus every other step the middleware's work is made of (the encoder's
+  body built, the answer read and matched, the engine's body written) and nothing around them: the floor
+  of a design that rewrites both bodies;
 - epd: this checkout's middleware in the engine process;
 - before: with ``--baseline``, the middleware of another checkout (``git worktree add /tmp/before main``)
   in an engine process of its own, beside this one in the same rounds;
@@ -53,9 +56,10 @@ async def run(baseline: Path | None, rounds: int, scale: float) -> dict[str, Any
         epd = rig.start("engine+epd", encoder)
         relay = rig.start("engine+relay", encoder)
         checked = rig.start("engine+checked", encoder)
+        rewrite = rig.start("engine+rewrite", encoder)
         proxy = rig.start("proxy", engine, encoder)
         before = rig.start("engine+epd", encoder, cwd=baseline) if baseline else None
-        for url in (engine, epd, relay, checked, proxy, *([before] if before else [])):
+        for url in (engine, epd, relay, checked, rewrite, proxy, *([before] if before else [])):
             await rig.wait(url)
         setup = HTTPClient(connect_timeout=5)
         cases = [
@@ -72,6 +76,7 @@ async def run(baseline: Path | None, rounds: int, scale: float) -> dict[str, Any
                 "direct": direct(encoder, engine, case),
                 "relay": poster(relay, case.encoder_body),
                 "checked": poster(checked, case.encoder_body),
+                "rewrite": poster(rewrite, case.body),
                 "epd": poster(epd, case.body),
                 "proxy": poster(proxy, case.body),
             }
@@ -93,7 +98,11 @@ async def run(baseline: Path | None, rounds: int, scale: float) -> dict[str, Any
 
 def table(results: dict[str, Any]) -> str:
     """The markdown table: per body, c1 added p50 over the floor and c16 throughput against it."""
-    names = [name for name in ("epd", "before", "relay", "checked", "proxy") if name in results["c1 1 image"]]
+    names = [
+        name
+        for name in ("epd", "before", "relay", "checked", "rewrite", "proxy")
+        if name in results["c1 1 image"]
+    ]
     head = "| body | target | " + " | ".join(f"c1 {n} / c16 {n}" for n in names) + " |"
     lines = [head, "|" + "---|" * (2 + len(names))]
     for body, target in TARGETS.items():
@@ -112,7 +121,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [name for name in ("before", "epd", "relay", "checked", "proxy") if name in results["c1 1 image"]]
+    names = [
+        name
+        for name in ("before", "epd", "relay", "checked", "rewrite", "proxy")
+        if name in results["c1 1 image"]
+    ]
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     for axis, (key, field, label) in zip(
         axes,

@@ -5,6 +5,7 @@
     python -m benchmarks.servers proxy PORT ENGINE_URL ENCODER_URL[,...]
     python -m benchmarks.servers engine+relay PORT ENCODER_URL
     python -m benchmarks.servers engine+checked PORT ENCODER_URL
+    python -m benchmarks.servers engine+rewrite PORT ENCODER_URL
 
 ``engine`` stands for vLLM's API server at its cheapest: it reads the body and answers a small JSON.
 ``engine+epd`` is the same app with EPDMiddleware inside it (the in-process architecture); ``proxy`` is a
@@ -17,6 +18,12 @@ direct floor is the price of the architecture, not of an implementation of it. `
 relay plus what no design may leave out: the body parsed with every long string checked as JSON text
 where it lies (the package's ``_rawjson.decode``) and each long string hashed (BLAKE3, the content uuid
 both sides must agree on). What the middleware costs over it is its pipeline, not its checks.
+``engine+rewrite`` does every step the middleware's work is made of and nothing around them: the same
+checked parse (the package's chat surface), the content uuids, the encoder's body built from the media
+parts, the call, the answer read and its handles matched to the items, the engine's body written with the
+handles, the engine run; with the package's own functions, so that each step costs what it costs in the
+middleware. No failover, pool, metrics, ledger, disconnect watch, retry or log: the floor of a design
+that rewrites both bodies, as the middleware (and the reference proxy) must.
 All run under uvicorn with uvloop and httptools, as vLLM does.
 """
 
@@ -134,6 +141,49 @@ def relay(encoder_url: str, checked: bool = False) -> Any:
     return app
 
 
+def rewriter(encoder_url: str, uuid_key: Any = None) -> Any:
+    from epd_middleware._handles import match_reply, part_metadata, transfer_params
+    from epd_middleware._plan import UuidKey, media_items
+    from epd_middleware._surfaces import encode_fields
+    from epd_middleware._surfaces import openai_chat as chat
+
+    client = HTTPClient(connect_timeout=5)
+    key = uuid_key or UuidKey()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":  # the rig's readiness probe
+            await engine(scope, receive, send)
+            return
+        request = chat.parse(await read_body(receive))
+        assert request is not None
+        assert request.media
+        items, uuids = media_items(
+            request.media, trust_client_uuid=False, salt=None, pin_uuid=True, uuid_key=key
+        )
+        body = chat.SURFACE.encoder_body(request, [item.part for item in items])
+        status, reply = await client.request(
+            "POST", encoder_url + scope["path"], body, {"content-type": "application/json"}
+        )
+        assert status == 200, status
+        answer = _rawjson.decode(reply)
+        handles = match_reply(encoder_url, items, answer["ec_transfer_params"])
+        parts = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
+        metadata = part_metadata(parts, handles, rewrite=True)
+        rewritten = encode_fields(chat.engine_fields(request, uuids, metadata, transfer_params(handles)))
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": rewritten, "more_body": False}
+            return dict(await receive())
+
+        await engine(scope, replay, send)
+
+    return app
+
+
 def _raws(value: Any) -> Iterator[msgspec.Raw]:
     """The long strings of a decoded body (``msgspec.Raw``), wherever they are."""
     if isinstance(value, msgspec.Raw):
@@ -159,6 +209,8 @@ def main() -> None:
         app = relay(sys.argv[3])
     elif role == "engine+checked":
         app = relay(sys.argv[3], checked=True)
+    elif role == "engine+rewrite":
+        app = rewriter(sys.argv[3])
     elif role == "proxy":
         app = EPDMiddleware(forwarder(sys.argv[3]), encoders=sys.argv[4].split(","), **options)
     else:

@@ -1,6 +1,8 @@
-"""The perf rig's checked relay (benchmarks.servers): the floor of an in-engine design that does the
-checks no design may drop. It must do them, and before it relays anything, or the floor it measures is
-not that of a design that checks."""
+"""The perf rig's floors (benchmarks.servers). The checked relay: the floor of an in-engine design that
+does the checks no design may drop; it must do them, and before it relays anything, or the floor it
+measures is not that of a design that checks. The rewrite floor: every step of the middleware's work and
+nothing around them; it must hand the engine the very body the direct floor sends, or it measures other
+work."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import msgspec
 import pytest
 
 from benchmarks import servers
-from benchmarks.perf import chat_request, noise_png
+from benchmarks.perf import _UUID_KEY, Case, Rig, chat_request, noise_png, prepare_direct
 from epd_middleware import _rawjson
-from epd_middleware._http import ConnectFailed
+from epd_middleware._http import ConnectFailed, HTTPClient
 
 pytestmark = pytest.mark.anyio
 
@@ -55,3 +57,28 @@ async def test_a_sound_body_is_checked_then_relayed() -> None:
     body = chat_request([noise_png(20_000, 1)])
     with pytest.raises(ConnectFailed):  # past the checks: the call to the encoder is what fails
         await servers.relay(NOWHERE, checked=True)(SCOPE, receive_of(body), send)
+
+
+async def test_the_rewrite_floor_hands_the_engine_what_the_direct_floor_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rig = Rig()
+    try:
+        encoder = rig.start("encoder")
+        await rig.wait(encoder)
+        case = Case("2 images", chat_request([noise_png(20_000, 1), noise_png(20_000, 2)]))
+        client = HTTPClient(connect_timeout=5)
+        await prepare_direct(case, encoder, client)
+        await client.aclose()
+        seen: list[bytes] = []
+
+        async def engine(scope: Any, receive: Any, send: Any) -> None:
+            seen.append((await receive())["body"])
+
+        monkeypatch.setattr(servers, "engine", engine)
+        await servers.rewriter(encoder, _UUID_KEY)(SCOPE, receive_of(case.body), send)
+    finally:
+        rig.stop()
+    assert seen == [case.engine_body]
+    assert b"ec_transfer_params" in seen[0]
+    assert b"base64" not in seen[0]  # both images went by reference
