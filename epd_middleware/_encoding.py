@@ -116,7 +116,7 @@ class EncodeStage:
         if not fallen:
             self.stats.encoded(len(found.items), len(calls))
         pushed = context.push_to is not None and bool(outcome.handles)
-        if not logger.isEnabledFor(logging.INFO):
+        if not (context.host.log_requests and logger.isEnabledFor(logging.INFO)):
             return Encoded(fields, None, pushed)
         used = ", ".join(sorted(set(outcome.answered) - {""})) or "none"
         note = (

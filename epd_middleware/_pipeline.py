@@ -283,7 +283,7 @@ class Pipeline:
             check_references_again(surface, references, context.host, self.stats)
             body = encode_fields(fields, compat=request.compat)
             said = [note for note in notes if note]
-            if said and logger.isEnabledFor(logging.INFO):
+            if said and context.host.log_requests and logger.isEnabledFor(logging.INFO):
                 logger.info("%s", "; ".join(said))
             return Prepared(body, pushed)
         except Unusable:

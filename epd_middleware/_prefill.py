@@ -84,7 +84,8 @@ class PrefillStage:
         self.stats.stage("prefill", elapsed)
         if not request.media:
             self.stats.request("prefilled")
-        note = f"prefill {elapsed * 1000:.1f} ms" if logger.isEnabledFor(logging.INFO) else None
+        logged = context.host.log_requests and logger.isEnabledFor(logging.INFO)
+        note = f"prefill {elapsed * 1000:.1f} ms" if logged else None
         return Prefilled(decode_fields(fields, kv_params), note)
 
 

@@ -425,6 +425,16 @@ class EPDConfig(BaseModel):
             "logger, request_id, message), for log pipelines."
         ),
     )
+    log_requests: bool | None = Field(
+        default=None,
+        description=(
+            "One INFO line per intercepted request with media (its items, encoder calls, the encoders "
+            "that answered, the encode and rewrite times). Unset: as vLLM's --enable-log-requests inside "
+            "vLLM (off by default, as vLLM's own lines per request: at load a line per request is a "
+            "tenth of the middleware's CPU on PD's API-server loop), on outside vLLM (written where the "
+            "application's logging lets INFO through)."
+        ),
+    )
     expose_upstream_addresses: bool = Field(
         default=False,
         description=(
@@ -934,6 +944,7 @@ class EPDOptions(TypedDict, total=False):
     retry_after: int
     client_embeddings: Literal["refuse", "trust"]
     log_format: Literal["text", "json"]
+    log_requests: bool | None
     expose_upstream_addresses: bool
     paths: Sequence[str]
     batch_paths: Sequence[str]

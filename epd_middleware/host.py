@@ -82,6 +82,9 @@ class Host:
     on_encoder_failure: str = "error"
     # vLLM's --enable-request-id-headers: its answers carry X-Request-Id, so the middleware's own do too.
     request_id_headers: bool = False
+    # A line per request in the log (the log_requests option; inside vLLM by default its
+    # --enable-log-requests).
+    log_requests: bool = True
     # vLLM exports OpenTelemetry traces (--otlp-traces-endpoint): the middleware's spans join them.
     traces: bool = False
     # Where media is encoded (the placement option): "local" and "adaptive" leave some to this engine.
@@ -122,6 +125,7 @@ class Host:
             expectation=_expected_model(config),
             on_encoder_failure=config.on_encoder_failure,
             placement=config.placement,
+            log_requests=config.log_requests is not False,
         )
 
     @classmethod
@@ -170,6 +174,7 @@ class Host:
             unguarded_routes=_unguarded_routes(args),
             trusts_request_mm_kwargs=bool(getattr(args, "trust_request_mm_kwargs", True)),
             request_id_headers=getattr(args, "enable_request_id_headers", False) is True,
+            log_requests=_log_requests(args, config),
             traces=_traces(vllm_config),
             model_runner=_model_runner(vllm_config),
             push_wait_s=_push_wait(ec),
@@ -341,6 +346,14 @@ def vllm_api_keys(args: object = None) -> tuple[str, ...]:
         return given
     env_key = os.environ.get("VLLM_API_KEY")
     return (env_key,) if env_key else ()
+
+
+def _log_requests(args: object, config: EPDConfig | None) -> bool:
+    """A line per request where the log_requests option says so, else where vLLM writes its own
+    (``--enable-log-requests``, off by default)."""
+    if config is not None and config.log_requests is not None:
+        return config.log_requests
+    return getattr(args, "enable_log_requests", False) is True
 
 
 def _unguarded_routes(args: object) -> tuple[str, ...]:
