@@ -30,7 +30,8 @@ class Deployment:
     encoders: list[lab.VLLMServer]
     pd: lab.VLLMServer  # middleware through the endpoint plugin, behind vLLM's API key
     pd_flag: lab.VLLMServer  # middleware through --middleware, on_encoder_failure="local"; it also lists
-    # the audio encoder, which serves another model (name and path), and must not use it
+    # the audio encoder, which serves another model (name and path), and must not use it; and it runs
+    # with --enable-log-requests, so the middleware writes its line per request there (pd does not)
     # Plain ec_consumer without middleware, and kv_producer: the prefill server of pd_decode. The
     # negative control (last) may kill it.
     control: lab.VLLMServer
@@ -318,6 +319,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         server.limits = '{"audio":2}'
         server.served_name = AUDIO_MODEL
     deployment.pd_multi.args += ["--api-server-count", "2"]
+    deployment.pd_flag.args += ["--enable-log-requests"]
     for encoder in deployment.encoders:  # their GET /load: what placement reads of an encoder's own load
         encoder.args += ["--enable-server-load-tracking"]
     # pd and the encoders trace, to the receiver: one trace from PD's request through the encoders.

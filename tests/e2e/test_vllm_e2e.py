@@ -297,6 +297,26 @@ def test_an_encoder_serving_another_model_is_refused_with_a_clear_line(deploymen
     assert FALLBACK_LOG not in deployment.pd_flag.log_path.read_text(errors="replace")
 
 
+@pytest.mark.compat
+def test_the_line_per_request_is_written_where_vllm_logs_requests(deployment: Deployment) -> None:
+    """pd runs with vLLM's defaults, pd_flag with --enable-log-requests: the middleware's INFO line
+    about each request it encoded follows what vLLM was told, read from vLLM's own command line through
+    the plugin and through --middleware. Before, pd wrote one for every request."""
+    for server, written in ((deployment.pd, False), (deployment.pd_flag, True)):
+        request_id = f"line-per-request-{server.name}"
+        body = seed_request(MODEL, images=[image(shift=157)])
+        response = chat(server, body, {**AUTH, "x-request-id": request_id})
+        assert response.status_code == 200, response.text
+        deadline = time.monotonic() + (10 if written else 2)  # vLLM's handlers may write a moment later
+        while True:
+            log = server.log_path.read_text(errors="replace")
+            found = f"request {request_id}: 1 media item(s), 1 encoder call(s) answered by" in log
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert found is written, server.name
+
+
 def test_unauthenticated_request_does_no_encoder_work(deployment: Deployment) -> None:
     before = deployment.stored_hashes()
     response = chat(deployment.pd, seed_request(MODEL, images=[image(shift=130)]))
