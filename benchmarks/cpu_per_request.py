@@ -4,11 +4,13 @@
 
 Runs the fake encoder, the bare engine and the engine with EPDMiddleware as in ``benchmarks.perf``, sends
 the same 1-image and 8-image requests the direct way (load generator -> encoder, then the rewritten
-request -> engine), through the middleware, and through the relay (the least an in-engine design can
-do), and reads each process's user + system CPU time from /proc before and after. On a machine whose
-cores are all busy, throughput is bounded by the total. With ``--rounds`` above 1 the three paths run in
+request -> engine), through the middleware, and through the rig's three in-engine floors (the relay, the
+least an in-engine design can do; the checked relay, which also parses, checks and hashes; the rewrite
+floor, which does every step of the middleware's work and nothing around them: ``benchmarks.servers``),
+and reads each process's user + system CPU time from /proc before and after. On a machine whose cores
+are all busy, throughput is bounded by the total. With ``--rounds`` above 1 the five paths run in
 interleaved rounds and each figure is the median over rounds (this machine's speed drifts by 10-20%
-within minutes: side by side in one run is what compares). ``--baseline`` adds a fourth path, the
+within minutes: side by side in one run is what compares). ``--baseline`` adds one more path, the
 middleware of another checkout of the project (``git worktree add /tmp/before <commit>``) in its own
 engine process, in the same interleaved rounds: a change's cost, measured against what it replaced.
 """
