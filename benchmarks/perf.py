@@ -45,11 +45,11 @@ import anyio
 
 from epd_lab.servers import free_port
 from epd_middleware import EPDMiddleware
-from epd_middleware._handles import part_metadata, transfer_params
 from epd_middleware._http import HTTPClient
-from epd_middleware._plan import UuidKey, media_items
-from epd_middleware._surfaces import encode_fields
+from epd_middleware._plan import UuidKey
 from epd_middleware._surfaces import openai_chat as chat
+
+from .servers import encoder_request, engine_request
 
 ROOT = Path(__file__).resolve().parent.parent
 # Keyed as the middleware keys them (a keyed BLAKE3 hash costs what the unkeyed one does).
@@ -114,18 +114,11 @@ async def prepare_direct(case: Case, encoder: str, client: HTTPClient) -> None:
     if request is None or not request.media:
         case.engine_body = case.body  # no media: the floor is the bare engine
         return
-    items, uuids = media_items(
-        request.media, trust_client_uuid=False, salt=None, pin_uuid=True, uuid_key=_UUID_KEY
-    )
-    case.encoder_body = b"".join(chat.SURFACE.encoder_body(request, [item.part for item in items]))
+    items, uuids, pieces = encoder_request(request, _UUID_KEY)
+    case.encoder_body = pieces if isinstance(pieces, bytes) else b"".join(pieces)
     status, reply = await client.request("POST", f"{encoder}/v1/chat/completions", case.encoder_body)
     assert status == 200, reply
-    from epd_middleware._handles import match_reply
-
-    handles = match_reply(encoder, items, json.loads(reply)["ec_transfer_params"])
-    keys = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
-    metadata = part_metadata(keys, handles, rewrite=True)
-    case.engine_body = encode_fields(chat.engine_fields(request, uuids, metadata, transfer_params(handles)))
+    case.engine_body = engine_request(encoder, request, items, uuids, reply)
 
 
 # --- processes -------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import blake3
@@ -41,7 +41,12 @@ import msgspec
 import uvicorn
 
 from epd_middleware import EPDMiddleware, _rawjson
+from epd_middleware._handles import match_reply, part_metadata, transfer_params
+from epd_middleware._http import Body as HTTPBody
 from epd_middleware._http import HTTPClient
+from epd_middleware._plan import MediaItem, UuidKey, media_items
+from epd_middleware._surfaces import ParsedRequest, encode_fields
+from epd_middleware._surfaces import openai_chat as chat
 
 ANSWER = (
     b'{"id":"chatcmpl-bench","object":"chat.completion",'
@@ -127,26 +132,48 @@ def relay(encoder_url: str, checked: bool = False) -> Any:
             "POST", encoder_url + scope["path"], body, {"content-type": "application/json"}
         )
         assert status == 200, status
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return dict(await receive())
-
-        await engine(scope, replay, send)
+        await engine(scope, replaying(body, receive), send)
 
     return app
 
 
-def rewriter(encoder_url: str, uuid_key: Any = None) -> Any:
-    from epd_middleware._handles import match_reply, part_metadata, transfer_params
-    from epd_middleware._plan import UuidKey, media_items
-    from epd_middleware._surfaces import encode_fields
-    from epd_middleware._surfaces import openai_chat as chat
+def replaying(body: bytes, receive: Any) -> Any:
+    """The engine app's ``receive``: ``body`` whole, then whatever the server says next."""
+    replayed = False
 
+    async def replay() -> dict[str, Any]:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return dict(await receive())
+
+    return replay
+
+
+def encoder_request(
+    request: ParsedRequest, uuid_key: UuidKey
+) -> tuple[tuple[MediaItem, ...], tuple[str, ...], HTTPBody]:
+    """The middleware's first steps for a chat request: its items under their content uuids, and the
+    encoder's body (pieces, the media strings where they arrived)."""
+    items, uuids = media_items(
+        request.media, trust_client_uuid=False, salt=None, pin_uuid=True, uuid_key=uuid_key
+    )
+    return items, uuids, chat.SURFACE.encoder_body(request, [item.part for item in items])
+
+
+def engine_request(
+    encoder: str, request: ParsedRequest, items: Sequence[MediaItem], uuids: Sequence[str], reply: bytes
+) -> bytes:
+    """The middleware's last steps: the encoder's answer matched to the items, and the engine's body with
+    every part a reference and the handles in ``ec_transfer_params``."""
+    handles = match_reply(encoder, items, _rawjson.decode(reply)["ec_transfer_params"])
+    parts = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
+    metadata = part_metadata(parts, handles, rewrite=True)
+    return encode_fields(chat.engine_fields(request, uuids, metadata, transfer_params(handles)))
+
+
+def rewriter(encoder_url: str, uuid_key: UuidKey | None = None) -> Any:
     client = HTTPClient(connect_timeout=5)
     key = uuid_key or UuidKey()
 
@@ -157,29 +184,13 @@ def rewriter(encoder_url: str, uuid_key: Any = None) -> Any:
         request = chat.parse(await read_body(receive))
         assert request is not None
         assert request.media
-        items, uuids = media_items(
-            request.media, trust_client_uuid=False, salt=None, pin_uuid=True, uuid_key=key
-        )
-        body = chat.SURFACE.encoder_body(request, [item.part for item in items])
+        items, uuids, body = encoder_request(request, key)
         status, reply = await client.request(
             "POST", encoder_url + scope["path"], body, {"content-type": "application/json"}
         )
         assert status == 200, status
-        answer = _rawjson.decode(reply)
-        handles = match_reply(encoder_url, items, answer["ec_transfer_params"])
-        parts = [(part.modality, uuid) for part, uuid in zip(request.media, uuids, strict=True)]
-        metadata = part_metadata(parts, handles, rewrite=True)
-        rewritten = encode_fields(chat.engine_fields(request, uuids, metadata, transfer_params(handles)))
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": rewritten, "more_body": False}
-            return dict(await receive())
-
-        await engine(scope, replay, send)
+        rewritten = engine_request(encoder_url, request, items, uuids, reply)
+        await engine(scope, replaying(rewritten, receive), send)
 
     return app
 
