@@ -4,9 +4,11 @@ host it runs in, where its embeddings go, and who chose its servers."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from ._blame import Ledger
+from ._logs import logger
 from ._protocol import REQUEST_ID_HEADER
 from ._scheduler import NO_ROUTE, Route
 from ._scheduling import NO_SCHEDULING, Scheduling
@@ -39,6 +41,12 @@ class RequestContext:
     scheduling: Scheduling = NO_SCHEDULING
     # Its failed calls, judged together: who is at fault for each (_blame.py).
     ledger: Ledger = field(default_factory=Ledger)
+
+    @property
+    def logged(self) -> bool:
+        """Whether the request gets its INFO line: where the host says so (the log_requests option,
+        inside vLLM by default its --enable-log-requests) and the logger lets INFO through."""
+        return self.host.log_requests and logger.isEnabledFor(logging.INFO)
 
     def again(self) -> RequestContext:
         """The context of an engine retry: nothing the first attempt got is reused."""

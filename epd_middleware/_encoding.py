@@ -5,7 +5,6 @@ engine request with every handle in place. Each step is a method that returns wh
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -116,7 +115,7 @@ class EncodeStage:
         if not fallen:
             self.stats.encoded(len(found.items), len(calls))
         pushed = context.push_to is not None and bool(outcome.handles)
-        if not (context.host.log_requests and logger.isEnabledFor(logging.INFO)):
+        if not context.logged:
             return Encoded(fields, None, pushed)
         used = ", ".join(sorted(set(outcome.answered) - {""})) or "none"
         note = (

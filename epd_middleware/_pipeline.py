@@ -13,7 +13,6 @@ the servers must serve.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -283,7 +282,7 @@ class Pipeline:
             check_references_again(surface, references, context.host, self.stats)
             body = encode_fields(fields, compat=request.compat)
             said = [note for note in notes if note]
-            if said and context.host.log_requests and logger.isEnabledFor(logging.INFO):
+            if said and context.logged:
                 logger.info("%s", "; ".join(said))
             return Prepared(body, pushed)
         except Unusable:

@@ -10,7 +10,6 @@ fail over like encoder calls (:mod:`epd_middleware._pool`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -84,8 +83,7 @@ class PrefillStage:
         self.stats.stage("prefill", elapsed)
         if not request.media:
             self.stats.request("prefilled")
-        logged = context.host.log_requests and logger.isEnabledFor(logging.INFO)
-        note = f"prefill {elapsed * 1000:.1f} ms" if logged else None
+        note = f"prefill {elapsed * 1000:.1f} ms" if context.logged else None
         return Prefilled(decode_fields(fields, kv_params), note)
 
 
